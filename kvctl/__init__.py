@@ -1,0 +1,1 @@
+"""kvctl: the operator tool for kvcached nodes."""
