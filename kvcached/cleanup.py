@@ -1,0 +1,304 @@
+"""The cleanup engine: scan → facts → decide → guarded act, and its report.
+
+Dry run is this same path with one guard at the removing syscall, so the plan a
+dry run prints is what a real run in a quiet state removes.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import fnmatch
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from .decide import Decision, Policy, State, decide_tree
+from .facts import Facts, gather_facts
+from .layout import Layout
+from .lease import ofd_lock
+from .scan import Candidate, Kind, StrEnum, observe, scan
+
+
+class Action(StrEnum):
+    REMOVED = "removed"
+    WOULD_REMOVE = "would_remove"
+    KEPT = "kept"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One reported piece of state: what it is, what we decided, what we did."""
+
+    candidate: Candidate
+    decision: Decision
+    action: Action
+    note: str = ""  # why the act differed from the plan, or the error
+
+    @property
+    def kind(self) -> Kind:
+        return self.candidate.kind
+
+    @property
+    def path(self) -> str:
+        return self.candidate.path
+
+    @property
+    def state(self) -> State:
+        return self.decision.state
+
+    def to_dict(self) -> dict[str, object]:
+        c, d = self.candidate, self.decision
+        return {
+            "kind": str(c.kind), "path": c.path, "deployment": c.deployment,
+            "state": str(d.state), "action": str(self.action), "reason": str(d.reason),
+            "detail": d.detail + (f"; {self.note}" if self.note else ""),
+            "pids": list(d.pids), "rank": c.rank, "stage": c.stage,
+            "uid": c.uid, "mtime": c.mtime, "type": str(c.ftype),
+        }
+
+
+@dataclass
+class Plan:
+    """Everything a run found and decided, before acting."""
+
+    layout: Layout
+    facts: Facts
+    policy: Policy
+    now: float
+    roots: list[Candidate]
+    decisions: dict[str, Decision]
+    errors: list[str] = field(default_factory=list)
+
+    def entries(self) -> list[tuple[Candidate, Decision]]:
+        return [(c, self.decisions[c.path]) for root in self.roots for c in root.walk()]
+
+
+@dataclass
+class Report:
+    dry_run: bool
+    entries: list[Entry]
+    errors: list[str]
+    started: float
+    finished: float
+    timed_out: bool = False
+
+    def count(self, **match: object) -> int:
+        return sum(all(getattr(e, k) == v for k, v in match.items()) for e in self.entries)
+
+    @property
+    def failures(self) -> list[Entry]:
+        return [e for e in self.entries if e.action is Action.FAILED]
+
+    @property
+    def stale_remaining(self) -> list[Entry]:
+        return [e for e in self.entries if e.state is State.STALE and e.action is not Action.REMOVED]
+
+    def summary(self) -> dict[str, object]:
+        by_state = {str(s): self.count(state=s) for s in State}
+        by_action = {str(a): self.count(action=a) for a in Action}
+        return {"entries": len(self.entries), "states": by_state, "actions": by_action,
+                "errors": len(self.errors), "timed_out": self.timed_out,
+                "seconds": round(self.finished - self.started, 4)}
+
+
+def _matches(c: Candidate, globs: Sequence[str]) -> bool:
+    return not globs or (c.deployment is not None and any(fnmatch.fnmatchcase(c.deployment, g) for g in globs))
+
+
+def plan(layout: Layout, policy: Policy | None = None, *, facts: Facts | None = None,
+         names: Iterable[str] = (), globs: Sequence[str] = (), kinds: Iterable[Kind] = (),
+         now: float | None = None, probe: bool = True, proc_root: str = "/proc") -> Plan:
+    """Scan, gather facts, observe and decide: no side effects beyond the probes DESIGN.md allows."""
+    policy = policy or Policy()
+    facts = facts if facts is not None else gather_facts(proc_root)
+    extra = set(names) | {p.ipc_name for p in facts.processes.values() if p.ipc_name}
+    found = scan(layout, extra)
+    kinds = set(kinds)
+    roots = [observe(c, facts, probe=probe) for c in found.candidates if _matches(c, globs)]
+    if kinds:
+        roots = [c for c in roots if c.kind in kinds or (Kind.SOCKET in kinds and c.kind is Kind.DIRECTORY)]
+    t = time.time() if now is None else now
+    decisions: dict[str, Decision] = {}
+    for c in roots:
+        decisions.update(decide_tree(c, facts, policy, t))
+    return Plan(layout, facts, policy, t, roots, decisions, found.errors + facts.errors)
+
+
+class _Actor:
+    """The guarded act; `dry_run` is the one guard, at the removing syscall."""
+
+    def __init__(self, dry_run: bool, deadline: float | None, kinds: set[Kind]) -> None:
+        self.dry_run = dry_run
+        self.deadline = deadline
+        self.kinds = kinds
+        self.entries: list[Entry] = []
+        self.timed_out = False
+
+    def out_of_time(self) -> bool:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.timed_out = True
+        return self.timed_out
+
+    def record(self, c: Candidate, d: Decision, action: Action, note: str = "") -> None:
+        self.entries.append(Entry(c, d, action, note))
+
+    def keep_all(self, c: Candidate, decisions: dict[str, Decision], note: str = "") -> None:
+        for sub in c.walk():
+            d = decisions[sub.path]
+            self.record(sub, d, Action.KEPT, note if d.state is State.STALE else "")
+
+    def remove(self, dir_fd: int, c: Candidate, d: Decision, rmdir: bool = False) -> bool:
+        """Unlink `c` through `dir_fd` if it still has the planned identity; True when gone."""
+        if self.out_of_time():
+            self.record(c, d, Action.KEPT, "time limit reached")
+            return False
+        try:
+            st = os.stat(c.name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            self.record(c, d, Action.REMOVED, "already gone")
+            return True
+        except OSError as e:
+            self.record(c, d, Action.FAILED, f"stat: {e.strerror}")
+            return False
+        if (st.st_dev, st.st_ino) != c.ident:
+            # A successor re-created this name between scan and act: it is not what we decided on.
+            self.record(c, d, Action.KEPT, "replaced since the scan")
+            return False
+        if self.dry_run:
+            self.record(c, d, Action.WOULD_REMOVE)
+            return True
+        try:
+            if rmdir:
+                os.rmdir(c.name, dir_fd=dir_fd)
+            else:
+                os.unlink(c.name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass  # someone else removed it: the goal is met
+        except OSError as e:
+            if e.errno == errno.ENOTEMPTY:
+                self.record(c, d, Action.KEPT, "no longer empty")
+            else:
+                self.record(c, d, Action.FAILED, f"{'rmdir' if rmdir else 'unlink'}: {e.strerror}")
+            return False
+        self.record(c, d, Action.REMOVED)
+        return True
+
+    def act_segment(self, shm_dir: str, c: Candidate, d: Decision) -> None:
+        try:
+            dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            self.record(c, d, Action.FAILED, f"{shm_dir}: {e.strerror}")
+            return
+        fd = -1
+        try:
+            try:
+                fd = os.open(c.name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+            except FileNotFoundError:
+                self.record(c, d, Action.REMOVED, "already gone")
+                return
+            except OSError as e:
+                self.record(c, d, Action.FAILED, f"open: {e.strerror}")
+                return
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != c.ident:
+                self.record(c, d, Action.KEPT, "replaced since the scan")
+                return
+            # The exclusive lease proves no engine of ours took it since the scan;
+            # the flock proves no upstream reader or writer is inside it right now.
+            if not ofd_lock(fd, fcntl.F_WRLCK):
+                self.record(c, d, Action.KEPT, "a process took its lease since the scan")
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.record(c, d, Action.KEPT, "in use since the scan")
+                return
+            self.remove(dir_fd, c, d)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            os.close(dir_fd)
+
+    def act_dir(self, parent_fd: int, c: Candidate, decisions: dict[str, Decision], locked: bool) -> bool:
+        """Remove the stale entries of one socket directory; True when it was removed too."""
+        d = decisions[c.path]
+        removable = [ch for ch in c.children if decisions[ch.path].state is State.STALE]
+        if d.state is not State.STALE and not removable:
+            self.keep_all(c, decisions)
+            return False
+        try:
+            fd = os.open(c.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+        except FileNotFoundError:
+            for sub in c.walk():
+                self.record(sub, decisions[sub.path], Action.REMOVED if decisions[sub.path].state is State.STALE else Action.KEPT, "already gone")
+            return True
+        except OSError as e:
+            for sub in c.walk():
+                self.record(sub, decisions[sub.path], Action.FAILED if decisions[sub.path].state is State.STALE else Action.KEPT, f"open: {e.strerror}")
+            return False
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != c.ident:
+                self.keep_all(c, decisions, "directory replaced since the scan")
+                return False
+            if not locked:
+                try:
+                    # Exclusive lease: a process of ours that starts now blocks on
+                    # its shared lease until we are done, then re-checks the inode.
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    self.keep_all(c, decisions, "a process took the directory lease since the scan")
+                    return False
+            emptied = False
+            for ch in c.children:
+                cd = decisions[ch.path]
+                if ch.kind is Kind.DIRECTORY:
+                    emptied |= self.act_dir(fd, ch, decisions, locked=True)
+                elif cd.state is State.STALE:
+                    emptied |= self.remove(fd, ch, cd)
+                else:
+                    self.record(ch, cd, Action.KEPT)
+            if d.state is State.STALE:
+                return self.remove(parent_fd, c, d, rmdir=True)
+            self.record(c, d, Action.KEPT)
+            return False
+        finally:
+            os.close(fd)
+
+    def act_root_dir(self, tmp_dir: str, c: Candidate, decisions: dict[str, Decision]) -> None:
+        try:
+            tmp_fd = os.open(tmp_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            for sub in c.walk():
+                self.record(sub, decisions[sub.path], Action.FAILED, f"{tmp_dir}: {e.strerror}")
+            return
+        try:
+            self.act_dir(tmp_fd, c, decisions, locked=False)
+        finally:
+            os.close(tmp_fd)
+
+
+def execute(p: Plan, *, dry_run: bool, time_limit: float | None = None) -> Report:
+    """Act on the plan's stale entries only; everything else is reported as kept."""
+    started = time.time()
+    deadline = time.monotonic() + time_limit if time_limit else None
+    actor = _Actor(dry_run, deadline, set())
+    for c in p.roots:
+        d = p.decisions[c.path]
+        if c.kind is Kind.SEGMENT:
+            if d.state is State.STALE:
+                actor.act_segment(p.layout.shm_dir, c, d)
+            else:
+                actor.record(c, d, Action.KEPT)
+        else:
+            actor.act_root_dir(p.layout.tmp_dir, c, p.decisions)
+    return Report(dry_run, actor.entries, list(p.errors), started, time.time(), actor.timed_out)
+
+
+def run_cleanup(layout: Layout, policy: Policy | None = None, *, dry_run: bool = False,
+                time_limit: float | None = None, **plan_kw: object) -> Report:
+    """Plan and act in one call (what `kvctl gc` and the runtime's start-up sweep do)."""
+    return execute(plan(layout, policy, **plan_kw), dry_run=dry_run, time_limit=time_limit)  # type: ignore[arg-type]

@@ -1,0 +1,222 @@
+"""The one decision function (DESIGN.md §3): (candidate, facts, policy, now) → (state, reason).
+
+Pure: it reads the candidate's recorded observations and the facts of one
+/proc pass, and touches nothing. Every caller (runtime start-up, the engine
+owner's shutdown cleanup, `kvctl gc`, `delete`, `inspect`, `doctor`) asks it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+from .facts import START_SLACK, Facts
+from .naming import default_name_pgid
+from .scan import Candidate, FileType, Kind, Probe, StrEnum
+
+DEFAULT_GRACE = 60.0
+
+
+class State(StrEnum):
+    LIVE = "live"
+    STALE = "stale"
+    UNKNOWN = "unknown"
+    YOUNG = "young"
+    FOREIGN = "foreign"
+
+
+class Reason(StrEnum):
+    # live
+    LEASE_HELD = "lease_held"
+    LISTENING = "listening"
+    ACCEPTS = "accepts_connections"
+    HELD_OPEN = "held_open"
+    OWNER_ALIVE = "owner_alive"
+    GROUP_ALIVE = "group_alive"
+    CHILD_LIVE = "child_live"
+    # foreign
+    SYMLINK = "symlink"
+    WRONG_TYPE = "wrong_type"
+    HARD_LINKED = "hard_linked"
+    BAD_SIZE = "bad_size"
+    BAD_HASH = "bad_hash"
+    MOUNT_POINT = "mount_point"
+    OTHER_USER = "other_user"
+    OWNER_MISMATCH = "owner_mismatch"
+    WORLD_WRITABLE = "world_writable"
+    CONTAINS_FOREIGN = "contains_foreign"
+    # unknown
+    PROC_INCOMPLETE = "proc_incomplete"
+    NETNS_UNREADABLE = "netns_unreadable"
+    PROBE_DENIED = "probe_denied"
+    PROBE_ERROR = "probe_error"
+    NOT_PROBED = "not_probed"
+    LEASE_UNTESTED = "lease_untested"
+    CHILD_UNKNOWN = "child_unknown"
+    # young
+    YOUNG = "younger_than_grace"
+    CHILD_YOUNG = "child_young"
+    # stale
+    NOT_LISTENING = "not_listening"
+    NO_OWNER = "no_owner"
+    PGID_REUSED = "pgid_reused"
+    EMPTY_DIR = "empty_directory"
+    ALL_STALE = "all_entries_stale"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a run may remove: grace age, and who we are."""
+
+    grace: float = DEFAULT_GRACE
+    uid: int = -1  # -1: this process's effective uid
+
+    @property
+    def effective_uid(self) -> int:
+        return os.geteuid() if self.uid < 0 else self.uid
+
+    @property
+    def is_root(self) -> bool:
+        return self.effective_uid == 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    state: State
+    reason: Reason
+    detail: str
+    pids: tuple[int, ...] = ()
+
+
+def _d(state: State, reason: Reason, detail: str, pids: Sequence[int] = ()) -> Decision:
+    return Decision(state, reason, detail, tuple(sorted(pids)))
+
+
+def _foreign(c: Candidate, policy: Policy) -> Decision | None:
+    if c.ftype is FileType.SYMLINK:
+        return _d(State.FOREIGN, Reason.SYMLINK, "a symbolic link; never followed")
+    expected = {Kind.SEGMENT: FileType.REGULAR, Kind.SOCKET: FileType.SOCKET,
+                Kind.DIRECTORY: FileType.DIRECTORY}[c.kind]
+    if c.ftype is not expected:
+        return _d(State.FOREIGN, Reason.WRONG_TYPE, f"a {c.ftype} where a {expected} belongs")
+    if c.kind is Kind.SEGMENT:
+        if c.nlink != 1:
+            return _d(State.FOREIGN, Reason.HARD_LINKED, f"{c.nlink} hard links: may be another file's name")
+        if c.size not in (0, 24):
+            return _d(State.FOREIGN, Reason.BAD_SIZE, f"{c.size} bytes, a segment has 24")
+    if c.kind is Kind.DIRECTORY:
+        if not c.hash_ok:
+            return _d(State.FOREIGN, Reason.BAD_HASH, "hash suffix does not match the name")
+        if c.cross_mount:
+            return _d(State.FOREIGN, Reason.MOUNT_POINT, "a mount point; never crossed")
+        if c.mode & 0o002:
+            return _d(State.FOREIGN, Reason.WORLD_WRITABLE, "writable by anyone: its entries may be planted")
+    if not policy.is_root and c.uid != policy.effective_uid:
+        return _d(State.FOREIGN, Reason.OTHER_USER, f"owned by uid {c.uid}, we are uid {policy.effective_uid}")
+    if c.parent_uid is not None and c.uid != c.parent_uid:
+        return _d(State.FOREIGN, Reason.OWNER_MISMATCH,
+                  f"owned by uid {c.uid}, its directory by uid {c.parent_uid}")
+    return None
+
+
+def _deployment_alive(c: Candidate, facts: Facts) -> tuple[Decision | None, bool]:
+    """Live when a process of the deployment started before the candidate last changed.
+
+    Returns (decision, pgid_reused): PIDs and PGIDs are reused, so a process
+    that started after the last change is no evidence of life.
+    """
+    if c.deployment is None:
+        return None, False
+    before = c.mtime + START_SLACK
+    named = [p.pid for p in facts.by_ipc_name(c.deployment) if p.start_time <= before]
+    if named:
+        return _d(State.LIVE, Reason.OWNER_ALIVE, "a process of this deployment is alive", named), False
+    pgid = default_name_pgid(c.deployment)
+    if pgid is not None:
+        group = facts.by_pgid(pgid)
+        older = [p.pid for p in group if p.start_time <= before]
+        if older:
+            return _d(State.LIVE, Reason.GROUP_ALIVE, f"process group {pgid} is alive", older), False
+        return None, bool(group)
+    return None, False
+
+
+def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
+           children: Sequence[Decision] = ()) -> Decision:
+    """Classify one candidate; for a directory, `children` are its entries' decisions."""
+    foreign = _foreign(c, policy)
+    if foreign is not None:
+        return foreign
+
+    if c.lease:
+        pids = [e.pid for e in facts.locks.get(c.ident, ()) if e.pid > 0]
+        return _d(State.LIVE, Reason.LEASE_HELD, "a process holds its lease or lock", pids)
+    if c.kind is Kind.SOCKET:
+        if c.seen_path in facts.listeners:
+            pids = facts.serving_pids(c.seen_path)
+            return _d(State.LIVE, Reason.LISTENING, "a listener is bound at this path", pids)
+        if c.probe in (Probe.ACCEPTS, Probe.BUSY):
+            return _d(State.LIVE, Reason.ACCEPTS, f"accepts connections ({c.probe})")
+    if c.kind is Kind.SEGMENT:
+        holders = [p.pid for p in facts.holders_of_file(c.ident)]
+        if holders:
+            return _d(State.LIVE, Reason.HELD_OPEN, "held open or mapped", holders)
+    if c.kind is Kind.DIRECTORY:
+        live = [d for d in children if d.state is State.LIVE]
+        if live:
+            pids = sorted({p for d in live for p in d.pids})
+            return _d(State.LIVE, Reason.CHILD_LIVE, f"{len(live)} live entr{'y' if len(live) == 1 else 'ies'} inside", pids)
+    alive, pgid_reused = _deployment_alive(c, facts)
+    if alive is not None:
+        return alive
+
+    if c.kind is Kind.SOCKET:
+        if facts.unreadable_netns:
+            return _d(State.UNKNOWN, Reason.NETNS_UNREADABLE,
+                      f"{len(facts.unreadable_netns)} network namespace(s) could not be read")
+        if c.probe is None:
+            return _d(State.UNKNOWN, Reason.NOT_PROBED, "no listing shows it and it was not probed")
+        if c.probe is Probe.DENIED:
+            return _d(State.UNKNOWN, Reason.PROBE_DENIED, f"connect probe not permitted ({c.probe_errno})")
+        if c.probe is Probe.ERROR:
+            return _d(State.UNKNOWN, Reason.PROBE_ERROR, f"connect probe failed ({c.probe_errno})")
+    if c.kind is Kind.SEGMENT and c.lease is None:
+        return _d(State.UNKNOWN, Reason.LEASE_UNTESTED, "its lease could not be tested")
+    blind = facts.blind_spots(c.uid, c.mtime)
+    if blind:
+        return _d(State.UNKNOWN, Reason.PROC_INCOMPLETE,
+                  "processes that could own it could not be fully read", blind)
+    if c.kind is Kind.DIRECTORY:
+        for state, reason in ((State.UNKNOWN, Reason.CHILD_UNKNOWN), (State.YOUNG, Reason.CHILD_YOUNG)):
+            hits = [d for d in children if d.state is state]
+            if hits:
+                return _d(state, reason, f"{len(hits)} {state} entr{'y' if len(hits) == 1 else 'ies'} inside")
+        if c.extras or any(d.state is State.FOREIGN for d in children):
+            n = len(c.extras) + sum(d.state is State.FOREIGN for d in children)
+            return _d(State.FOREIGN, Reason.CONTAINS_FOREIGN, f"holds {n} entr{'y' if n == 1 else 'ies'} not ours")
+
+    age = now - c.mtime
+    if age < policy.grace:
+        return _d(State.YOUNG, Reason.YOUNG, f"changed {age:.0f}s ago, grace is {policy.grace:.0f}s")
+    if c.kind is Kind.SOCKET:
+        return _d(State.STALE, Reason.NOT_LISTENING, "no listener; connect refused")
+    if c.kind is Kind.SEGMENT:
+        if pgid_reused:
+            return _d(State.STALE, Reason.PGID_REUSED, "its process group id now belongs to a newer group")
+        return _d(State.STALE, Reason.NO_OWNER, "no lease, holder or process of its deployment")
+    if children:
+        return _d(State.STALE, Reason.ALL_STALE, "every entry inside is stale")
+    return _d(State.STALE, Reason.EMPTY_DIR, "empty, and no process of its deployment is alive")
+
+
+def decide_tree(c: Candidate, facts: Facts, policy: Policy, now: float) -> dict[str, Decision]:
+    """Decide a candidate and everything below it; keyed by path."""
+    out: dict[str, Decision] = {}
+    child_decisions = []
+    for child in c.children:
+        sub = decide_tree(child, facts, policy, now)
+        out.update(sub)
+        child_decisions.append(sub[child.path])
+    out[c.path] = decide(c, facts, policy, now, child_decisions)
+    return out

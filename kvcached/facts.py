@@ -1,0 +1,345 @@
+"""One pass over /proc per run: who is alive, what they hold, and what we could not see.
+
+Every field a decision may need is read here, once, so that `decide` stays a
+pure function and a run's cost is linear in processes + candidates.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .lease import LockEntry, read_proc_locks
+from .naming import ENV_NAME, sanitize
+
+# Process start times come from boot-relative ticks plus a whole-second btime,
+# so they can be off by up to a second: a process is taken to have started
+# before a change when it started no later than one second after it.
+START_SLACK = 1.0
+_ENGINE_MARKERS = ("python", "vllm", "sglang", "kvcached", "ray::", "engine", "worker", "pt_")
+LISTENING = 0x10000  # __SO_ACCEPTCON in /proc/net/unix "Flags"
+_ENV_KEY = ENV_NAME.encode() + b"="
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One process as /proc showed it; identity is (pid, start_time)."""
+
+    pid: int
+    start_time: float  # seconds since the epoch
+    ppid: int
+    pgid: int
+    uid: int
+    comm: str
+    cmdline: tuple[str, ...]
+    ipc_name: str | None  # sanitised KVCACHED_IPC_NAME from the environment, if readable and set
+    socket_inodes: frozenset[int]
+    shm_files: frozenset[tuple[int, int]]  # (st_dev, st_ino) of /dev/shm files held open or mapped
+    mnt_ns: str | None
+    net_ns: str | None
+    unreadable: frozenset[str]  # which of environ / fd / maps / ns could not be read
+
+    @property
+    def complete(self) -> bool:
+        return not self.unreadable
+
+    @property
+    def engine_like(self) -> bool:
+        """Could this process be part of a serving deployment (and so carry its name)?
+
+        Only Python processes and serving engines (vLLM sets titles such as
+        `VLLM::EngineCore`) can load kvcached. Used to decide whether a process
+        we could not fully read leaves our evidence incomplete: a sandbox init
+        or an sshd we may not ptrace is not a reason to keep a dead pool forever.
+        """
+        text = " ".join((self.comm, *self.cmdline[:2])).lower()
+        return any(k in text for k in _ENGINE_MARKERS)
+
+
+@dataclass
+class Facts:
+    """What one /proc pass saw; read-only once built."""
+
+    proc_root: str
+    now: float
+    my_uid: int
+    my_mnt_ns: str | None
+    my_net_ns: str | None
+    processes: dict[int, ProcessInfo] = field(default_factory=dict)
+    # seen path -> listening socket inodes bound at it (all readable net namespaces)
+    listeners: dict[str, set[int]] = field(default_factory=dict)
+    # socket inode -> pids holding it
+    socket_holders: dict[int, set[int]] = field(default_factory=dict)
+    # (st_dev, st_ino) -> locks, from /proc/locks
+    locks: dict[tuple[int, int], list[LockEntry]] = field(default_factory=dict)
+    net_namespaces: set[str] = field(default_factory=set)
+    unreadable_netns: set[str] = field(default_factory=set)
+    unreadable_pids: dict[int, frozenset[str]] = field(default_factory=dict)
+    hidepid: bool = False
+    errors: list[str] = field(default_factory=list)
+
+    def by_pgid(self, pgid: int) -> list[ProcessInfo]:
+        return [p for p in self.processes.values() if p.pgid == pgid]
+
+    def by_ipc_name(self, name: str) -> list[ProcessInfo]:
+        return [p for p in self.processes.values() if p.ipc_name == name]
+
+    def holders_of_file(self, ident: tuple[int, int]) -> list[ProcessInfo]:
+        return [p for p in self.processes.values() if ident in p.shm_files]
+
+    def serving_pids(self, seen_path: str) -> tuple[int, ...]:
+        pids: set[int] = set()
+        for ino in self.listeners.get(seen_path, ()):
+            pids |= self.socket_holders.get(ino, set())
+        return tuple(sorted(pids))
+
+    def blind_spots(self, uid: int, before: float) -> list[int]:
+        """Engine-like processes of `uid` (or root) that started before `before` and we could not fully read.
+
+        Such a process might hold, map or name a candidate without our seeing it,
+        so a candidate it could belong to cannot be proven stale.
+        """
+        out = []
+        for pid in self.unreadable_pids:
+            p = self.processes.get(pid)
+            if p is None:
+                continue
+            if p.uid in (uid, 0) and p.engine_like and p.start_time <= before + START_SLACK:
+                out.append(pid)
+        return out
+
+    def other_mount_namespaces(self) -> set[str]:
+        return {p.mnt_ns for p in self.processes.values() if p.mnt_ns and p.mnt_ns != self.my_mnt_ns}
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _boot_time(proc_root: str) -> float:
+    for line in _read(f"{proc_root}/stat").splitlines():
+        if line.startswith(b"btime "):
+            return float(line.split()[1])
+    raise OSError("no btime in /proc/stat")
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+PF_KTHREAD = 0x00200000
+
+
+def _parse_stat(raw: bytes, btime: float) -> tuple[str, int, int, float, bool]:
+    """(comm, ppid, pgid, start time, gone); gone for kernel threads and zombies."""
+    # comm may contain spaces and parentheses: split at the last ')'.
+    lpar, rpar = raw.index(b"("), raw.rindex(b")")
+    comm = raw[lpar + 1:rpar].decode(errors="replace")
+    rest = raw[rpar + 2:].split()
+    state, ppid, pgid, flags, start_ticks = rest[0], int(rest[1]), int(rest[2]), int(rest[6]), int(rest[19])
+    # A zombie keeps its pid and pgid until reaped but holds nothing and will never
+    # serve again: counting it would keep a dead group "alive".
+    gone = bool(flags & PF_KTHREAD) or state in (b"Z", b"X", b"x")
+    return comm, ppid, pgid, btime + start_ticks / _CLK_TCK, gone
+
+
+def _status_uid(raw: bytes) -> int:
+    for line in raw.splitlines():
+        if line.startswith(b"Uid:"):
+            return int(line.split()[2])  # effective uid
+    return -1
+
+
+def _env_ipc_name(raw: bytes) -> str | None:
+    for item in raw.split(b"\0"):
+        if item.startswith(_ENV_KEY):
+            value = item[len(_ENV_KEY):].decode(errors="replace")
+            return sanitize(value) if value else None
+    return None
+
+
+def _shm_maps(raw: bytes) -> set[tuple[int, int]]:
+    out = set()
+    for line in raw.splitlines():
+        if b"/dev/shm/" not in line:
+            continue
+        parts = line.split(None, 5)
+        if len(parts) < 6:
+            continue
+        try:
+            maj, mnr = parts[3].split(b":")
+            out.add((os.makedev(int(maj, 16), int(mnr, 16)), int(parts[4])))
+        except ValueError:
+            continue
+    return out
+
+
+def _scan_fds(fd_dir: str, shm_files: set[tuple[int, int]], sockets: set[int]) -> None:
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+        except OSError:
+            continue  # closed between listdir and readlink
+        if target.startswith("socket:["):
+            sockets.add(int(target[8:-1]))
+        elif "/dev/shm/" in target:  # also under a --root test tree
+            try:
+                st = os.stat(f"{fd_dir}/{fd}")  # through the fd: the open file, not the path
+            except OSError:
+                continue
+            shm_files.add((st.st_dev, st.st_ino))
+
+
+def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
+    base = f"{proc_root}/{pid}"
+    try:
+        comm, ppid, pgid, start, gone = _parse_stat(_read(f"{base}/stat"), btime)
+        if gone:
+            return None
+        uid = _status_uid(_read(f"{base}/status"))
+        cmdline = tuple(a.decode(errors="replace") for a in _read(f"{base}/cmdline").split(b"\0") if a)
+    except (OSError, ValueError, IndexError):
+        return None  # exited during the pass, or not a process directory
+    unreadable: set[str] = set()
+    ipc_name = None
+    try:
+        ipc_name = _env_ipc_name(_read(f"{base}/environ"))
+    except OSError:
+        unreadable.add("environ")
+    shm: set[tuple[int, int]] = set()
+    sockets: set[int] = set()
+    try:
+        _scan_fds(f"{base}/fd", shm, sockets)
+    except OSError:
+        unreadable.add("fd")
+    try:
+        shm |= _shm_maps(_read(f"{base}/maps"))
+    except OSError:
+        unreadable.add("maps")
+    ns = {}
+    for kind in ("mnt", "net"):
+        try:
+            ns[kind] = os.readlink(f"{base}/ns/{kind}")
+        except OSError:
+            ns[kind] = None
+            unreadable.add(f"ns/{kind}")
+    if not os.path.exists(base):
+        return None  # it exited while we read it: what we read may be partial
+    return ProcessInfo(pid, start, ppid, pgid, uid, comm, cmdline, ipc_name,
+                       frozenset(sockets), frozenset(shm), ns["mnt"], ns["net"], frozenset(unreadable))
+
+
+def parse_net_unix(raw: bytes) -> list[tuple[int, int, str]]:
+    """(flags, inode, path) for every bound Unix socket in a /proc/<pid>/net/unix listing."""
+    out = []
+    for line in raw.splitlines()[1:]:
+        parts = line.split(None, 7)
+        if len(parts) < 8:
+            continue  # unbound socket: no path column
+        try:
+            out.append((int(parts[3], 16), int(parts[6]), os.fsdecode(parts[7])))
+        except ValueError:
+            continue
+    return out
+
+
+def _hidepid(proc_root: str) -> bool:
+    try:
+        for line in _read(f"{proc_root}/self/mountinfo").splitlines():
+            fields = line.split(b" - ")
+            if len(fields) == 2 and fields[0].split()[4] == proc_root.encode() and b"hidepid=" in fields[1]:
+                opts = fields[1].split()[-1]
+                return not (b"hidepid=0" in opts or b"hidepid=off" in opts)
+    except (OSError, IndexError):
+        pass
+    return False
+
+
+def listening_facts(proc_root: str = "/proc") -> Facts:
+    """Only this network namespace's listening Unix sockets: what an engine owner needs to
+    tell whether its own workers' nodes are still served, without a full /proc pass."""
+    import time
+
+    facts = Facts(proc_root, time.time(), os.geteuid(), None, None)
+    listeners: dict[str, set[int]] = defaultdict(set)
+    try:
+        raw = _read(f"{proc_root}/self/net/unix")
+    except OSError:
+        facts.unreadable_netns.add("self")
+        return facts
+    for flags, ino, path in parse_net_unix(raw):
+        if flags & LISTENING and not path.startswith("@"):
+            listeners[path].add(ino)
+    facts.listeners = dict(listeners)
+    return facts
+
+
+def gather_facts(proc_root: str = "/proc", *, now: float | None = None) -> Facts:
+    """Read every process and every net namespace's listening Unix sockets once."""
+    import time
+
+    def my_ns(kind: str) -> str | None:
+        try:
+            return os.readlink(f"{proc_root}/self/ns/{kind}")
+        except OSError:
+            return None
+
+    facts = Facts(proc_root, time.time() if now is None else now, os.geteuid(), my_ns("mnt"), my_ns("net"))
+    facts.hidepid = _hidepid(proc_root)
+    try:
+        btime = _boot_time(proc_root)
+        pids = [int(n) for n in os.listdir(proc_root) if n.isdigit()]
+    except OSError as e:
+        facts.errors.append(f"{proc_root}: {e.strerror or e}")
+        return facts
+    holders: dict[int, set[int]] = defaultdict(set)
+    netns_reader: dict[str, int] = {}
+    unknown_ns_pids: list[int] = []
+    for pid in pids:
+        info = _read_process(proc_root, pid, btime)
+        if info is None:
+            continue
+        facts.processes[pid] = info
+        if info.unreadable:
+            facts.unreadable_pids[pid] = info.unreadable
+        for ino in info.socket_inodes:
+            holders[ino].add(pid)
+        if info.net_ns is not None:
+            netns_reader.setdefault(info.net_ns, pid)
+        else:
+            unknown_ns_pids.append(pid)
+    facts.socket_holders = dict(holders)
+    if facts.my_net_ns is not None:
+        netns_reader[facts.my_net_ns] = os.getpid() if proc_root == "/proc" else netns_reader.get(facts.my_net_ns, os.getpid())
+    facts.net_namespaces = set(netns_reader)
+    listeners: dict[str, set[int]] = defaultdict(set)
+    seen_tables: set[bytes] = set()
+
+    def add_table(raw: bytes) -> None:
+        for flags, ino, path in parse_net_unix(raw):
+            if flags & LISTENING and not path.startswith("@"):
+                listeners[path].add(ino)
+
+    for ns, pid in netns_reader.items():
+        try:
+            raw = _read(f"{proc_root}/{pid}/net/unix")
+        except OSError:
+            facts.unreadable_netns.add(ns)
+            continue
+        seen_tables.add(raw)
+        add_table(raw)
+    # Processes whose namespace link we could not read (not root): read their
+    # listing directly so a foreign namespace's listener is not missed.
+    for pid in unknown_ns_pids:
+        try:
+            raw = _read(f"{proc_root}/{pid}/net/unix")
+        except OSError:
+            facts.unreadable_netns.add(f"pid:{pid}")
+            continue
+        if raw not in seen_tables:
+            seen_tables.add(raw)
+            add_table(raw)
+    facts.listeners = dict(listeners)
+    facts.locks = read_proc_locks(proc_root)
+    return facts

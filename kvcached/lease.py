@@ -1,0 +1,162 @@
+"""Leases (DESIGN.md §4): how our processes prove they are alive without a heartbeat.
+
+- Segment lease: an open-file-description read lock on one byte far past the
+  24 data bytes, held by the owning engine for its life. OFD locks belong to the
+  open file, not the process, so they survive fork-free threads, do not vanish
+  when some unrelated fd to the same file is closed (the POSIX-lock trap), and
+  never conflict with the whole-file `flock` data locks upstream tools take.
+- Directory lease: `flock(LOCK_SH)` on the socket directory, held by every
+  process of the deployment; a cleaner needs `LOCK_EX|LOCK_NB` to remove.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import struct
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+LEASE_OFFSET = 1 << 40
+LEASE_LEN = 1
+
+F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
+F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_FLOCK_FMT = "@hhqqi4x"  # struct flock on LP64 Linux: type, whence, start, len, pid
+
+
+def _flock_struct(kind: int) -> bytes:
+    return struct.pack(_FLOCK_FMT, kind, os.SEEK_SET, LEASE_OFFSET, LEASE_LEN, 0)
+
+
+def ofd_lock(fd: int, kind: int) -> bool:
+    """Take an OFD lock of `kind` (F_RDLCK/F_WRLCK/F_UNLCK) on the lease byte; False if held elsewhere."""
+    try:
+        fcntl.fcntl(fd, F_OFD_SETLK, _flock_struct(kind))
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def ofd_conflict(fd: int) -> bool:
+    """True when some other open file description holds a lease on this file (F_OFD_GETLK, no side effect)."""
+    res = fcntl.fcntl(fd, F_OFD_GETLK, _flock_struct(fcntl.F_WRLCK))
+    return struct.unpack(_FLOCK_FMT, res)[0] != fcntl.F_UNLCK
+
+
+def segment_lease_held(path: str) -> bool | None:
+    """Whether any process holds the segment's lease; None when the file cannot be opened to test."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return ofd_conflict(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+class SegmentLease:
+    """Hold the segment's lease for the life of this object (the owning engine)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                return
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            if not ofd_lock(fd, fcntl.F_RDLCK):
+                os.close(fd)
+                raise BlockingIOError(errno.EAGAIN, "a cleaner holds the segment lease exclusively", self.path)
+            self._fd = fd
+
+    @property
+    def identity(self) -> tuple[int, int] | None:
+        with self._lock:
+            if self._fd is None:
+                return None
+            st = os.fstat(self._fd)
+            return (st.st_dev, st.st_ino)
+
+    def release(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)  # closing the last fd of the description drops the OFD lock
+                self._fd = None
+
+    def __enter__(self) -> "SegmentLease":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class DirLease:
+    """Hold `flock(LOCK_SH)` on a socket directory (opened without following links)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd: int | None = None
+
+    def acquire(self, *, blocking: bool = True) -> None:
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | (0 if blocking else fcntl.LOCK_NB))
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+
+    def try_upgrade(self) -> bool:
+        """Convert to LOCK_EX without blocking: True only when no other process holds the lease."""
+        if self.fd is None:
+            return False
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+@dataclass(frozen=True)
+class LockEntry:
+    kind: str  # FLOCK, OFDLCK, POSIX
+    mode: str  # READ, WRITE
+    pid: int   # -1 for OFD locks on kernels that do not record one
+
+
+def read_proc_locks(proc_root: str = "/proc") -> dict[tuple[int, int], list[LockEntry]]:
+    """Every lock the kernel lists in /proc/locks, by (st_dev, st_ino): a side-effect-free lease test."""
+    out: dict[tuple[int, int], list[LockEntry]] = defaultdict(list)
+    try:
+        with open(f"{proc_root}/locks", encoding="ascii", errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 6 or parts[1] == "->":
+            continue  # "->" lines are waiters, not holders
+        try:
+            maj, mnr, ino = parts[5].split(":")
+            key = (os.makedev(int(maj, 16), int(mnr, 16)), int(ino))
+            out[key].append(LockEntry(parts[1], parts[3], int(parts[4])))
+        except ValueError:
+            continue
+    return dict(out)

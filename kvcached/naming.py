@@ -1,0 +1,104 @@
+"""The IPC name rules of LAYOUT.md §1, shared with upstream kvcached."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import uuid
+from collections.abc import Mapping
+
+MAX_NAME = 64
+TAGS = ("vLLM", "SGLang", "proc")
+ENV_NAME = "KVCACHED_IPC_NAME"
+
+# Default names: kvcached_<Tag>_<PGID>, optionally with the `_g<id>` group suffix
+# or the `_<n>` uniqueness suffix upstream's code paths mention.
+DEFAULT_NAME_RE = re.compile(r"^kvcached_(vLLM|SGLang|proc)_([0-9]+)(?:_g[0-9]+|_[0-9]+)?$")
+
+
+def sanitize(raw: str) -> str:
+    """Apply upstream's rule: non-alnum (Unicode-aware) other than `_`/`-` becomes `-`, cut to 64."""
+    return "".join(c if (c.isalnum() or c in "_-") else "-" for c in raw)[:MAX_NAME]
+
+
+def is_valid_name(name: str) -> bool:
+    """True when `name` is already in sanitised form (what a path component may carry)."""
+    return bool(name) and sanitize(name) == name
+
+
+def engine_tag() -> str:
+    """`vLLM` if importable, else `SGLang`, else `proc`: what is installed, not what runs."""
+    # find_spec looks for the package without importing it (vLLM takes seconds to import).
+    for module, tag in (("vllm", "vLLM"), ("sglang", "SGLang")):
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return tag
+        except (ImportError, ValueError):
+            continue
+    return "proc"
+
+
+def _process_group() -> int:
+    for get in (lambda: os.getpgid(0), lambda: os.getsid(0)):
+        try:
+            return get()
+        except OSError:
+            continue
+    return os.getpid()
+
+
+def default_ipc_name(tag: str | None = None, pgid: int | None = None) -> str:
+    """The name a process gets without `KVCACHED_IPC_NAME`: kvcached_<Tag>_<PGID>."""
+    return f"kvcached_{tag or engine_tag()}_{_process_group() if pgid is None else pgid}"
+
+
+def ipc_name_from_env(environ: Mapping[str, str] | None = None, *, tag: str | None = None) -> str:
+    """The deployment's IPC name: sanitised `KVCACHED_IPC_NAME`, else the default name."""
+    env = os.environ if environ is None else environ
+    explicit = env.get(ENV_NAME, "")
+    if explicit:
+        return sanitize(explicit)
+    return default_ipc_name(tag)
+
+
+def default_name_pgid(name: str) -> int | None:
+    """The PGID a default-form name embeds, or None for explicit names."""
+    m = DEFAULT_NAME_RE.match(name)
+    return int(m.group(2)) if m else None
+
+
+def socket_hash(name: str) -> str:
+    """Upstream's 8-hex-digit suffix of the socket directory."""
+    return uuid.uuid5(uuid.NAMESPACE_DNS, name).hex[:8]
+
+
+def socket_dir_name(name: str) -> str:
+    """`kvcached-tp-<name>-<hash>` for an already-sanitised name."""
+    return f"kvcached-tp-{name}-{socket_hash(name)}"
+
+
+SOCKET_DIR_RE = re.compile(r"^kvcached-tp-(.+)-([0-9a-f]{8})$", re.DOTALL)
+SOCKET_RE = re.compile(r"^w([0-9]+)\.sock$")
+STAGE_RE = re.compile(r"^pp([1-9][0-9]*)$")
+
+
+def parse_socket_dir_name(dirname: str) -> tuple[str, bool] | None:
+    """(name, hash_matches) for a `kvcached-tp-*` directory name, None when not of that form."""
+    m = SOCKET_DIR_RE.match(dirname)
+    if not m:
+        return None
+    name, digest = m.group(1), m.group(2)
+    return name, (is_valid_name(name) and socket_hash(name) == digest)
+
+
+def parse_socket_name(filename: str) -> int | None:
+    """The TP rank of `w<r>.sock`, None for any other name."""
+    m = SOCKET_RE.match(filename)
+    return int(m.group(1)) if m else None
+
+
+def parse_stage_name(dirname: str) -> int | None:
+    """The PP stage of `pp<k>` (k ≥ 1), None for any other name."""
+    m = STAGE_RE.match(dirname)
+    return int(m.group(1)) if m else None

@@ -1,0 +1,278 @@
+"""Scan /tmp and /dev/shm for kvcached state through directory fds, never following a link.
+
+The scan records what is there (type, identity, owner, mode, links, size,
+mtime); `observe` adds the per-candidate signals that need a syscall (lease
+tests, connect probes). Neither decides anything.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Iterable
+
+from . import naming
+from .facts import Facts
+from .lease import ofd_conflict
+from .layout import Layout, SUN_PATH_MAX
+
+
+class StrEnum(str, Enum):
+    """str-valued enum (Python 3.10 has no enum.StrEnum)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Kind(StrEnum):
+    SEGMENT = "segment"
+    SOCKET = "socket"
+    DIRECTORY = "directory"
+
+
+class FileType(StrEnum):
+    REGULAR = "regular"
+    SOCKET = "socket"
+    DIRECTORY = "directory"
+    SYMLINK = "symlink"
+    FIFO = "fifo"
+    DEVICE = "device"
+    OTHER = "other"
+
+
+class Probe(StrEnum):
+    """Outcome of a non-blocking connect to a socket node that no listing shows."""
+
+    ACCEPTS = "accepts"    # connected: something listens
+    BUSY = "busy"          # EAGAIN: listening with a full backlog
+    REFUSED = "refused"    # ECONNREFUSED: nobody listens
+    DENIED = "denied"      # EACCES/EPERM
+    GONE = "gone"          # ENOENT
+    ERROR = "error"        # anything else
+
+
+def file_type(mode: int) -> FileType:
+    if stat.S_ISLNK(mode):
+        return FileType.SYMLINK
+    if stat.S_ISREG(mode):
+        return FileType.REGULAR
+    if stat.S_ISSOCK(mode):
+        return FileType.SOCKET
+    if stat.S_ISDIR(mode):
+        return FileType.DIRECTORY
+    if stat.S_ISFIFO(mode):
+        return FileType.FIFO
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return FileType.DEVICE
+    return FileType.OTHER
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One piece of possibly-kvcached state, as the scan found it."""
+
+    kind: Kind
+    path: str                    # where we reach it (under --root / /proc/PID/root)
+    seen_path: str               # how the node's processes name it
+    name: str                    # last path component
+    deployment: str | None
+    ftype: FileType
+    ident: tuple[int, int]
+    uid: int
+    mode: int
+    nlink: int
+    size: int
+    mtime: float
+    rank: int | None = None
+    stage: int | None = None
+    hash_ok: bool = True
+    parent_uid: int | None = None
+    cross_mount: bool = False
+    children: tuple["Candidate", ...] = ()
+    extras: tuple[str, ...] = ()   # names inside a socket directory that are not ours
+    lease: bool | None = None      # a lease or lock observed on it (None: not tested)
+    probe: Probe | None = None     # connect probe result (sockets no listing shows)
+    probe_errno: str | None = None
+
+    def walk(self) -> Iterable["Candidate"]:
+        """This candidate and every candidate below it, children first."""
+        for child in self.children:
+            yield from child.walk()
+        yield self
+
+
+@dataclass
+class ScanResult:
+    candidates: list[Candidate] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def _open_dir(path: str, dir_fd: int | None = None) -> int:
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+
+
+def _candidate(kind: Kind, layout: Layout, path: str, name: str, st: os.stat_result, **kw: object) -> Candidate:
+    return Candidate(kind=kind, path=path, seen_path=layout.seen_path(path), name=name,
+                     ftype=file_type(st.st_mode), ident=(st.st_dev, st.st_ino), uid=st.st_uid,
+                     mode=stat.S_IMODE(st.st_mode), nlink=st.st_nlink, size=st.st_size,
+                     mtime=st.st_mtime, **kw)  # type: ignore[arg-type]
+
+
+def _scan_socket_dir(layout: Layout, parent_fd: int, parent_st: os.stat_result, name: str, path: str,
+                     deployment: str, hash_ok: bool, stage: int | None, errors: list[str]) -> Candidate:
+    st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    common = dict(deployment=deployment, hash_ok=hash_ok, stage=stage,
+                  parent_uid=parent_st.st_uid if stage is not None else None,
+                  cross_mount=st.st_dev != parent_st.st_dev)
+    if not stat.S_ISDIR(st.st_mode) or st.st_dev != parent_st.st_dev or not hash_ok:
+        return _candidate(Kind.DIRECTORY, layout, path, name, st, **common)
+    try:
+        fd = _open_dir(name, parent_fd)
+    except OSError as e:
+        errors.append(f"{path}: {e.strerror}")
+        return _candidate(Kind.DIRECTORY, layout, path, name, st, **common)
+    try:
+        fst = os.fstat(fd)
+        if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+            errors.append(f"{path}: replaced during the scan")
+            return _candidate(Kind.DIRECTORY, layout, path, name, st, **common)
+        children: list[Candidate] = []
+        extras: list[str] = []
+        for entry in sorted(os.listdir(fd)):
+            child_path = os.path.join(path, entry)
+            try:
+                cst = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            rank = naming.parse_socket_name(entry)
+            sub_stage = naming.parse_stage_name(entry) if stage is None else None
+            if rank is not None:
+                children.append(_candidate(Kind.SOCKET, layout, child_path, entry, cst, deployment=deployment,
+                                            rank=rank, stage=stage or 0, parent_uid=fst.st_uid))
+            elif sub_stage is not None:
+                children.append(_scan_socket_dir(layout, fd, fst, entry, child_path, deployment, True,
+                                                 sub_stage, errors))
+            else:
+                extras.append(entry)
+        return _candidate(Kind.DIRECTORY, layout, path, name, st, children=tuple(children),
+                          extras=tuple(extras), **common)
+    finally:
+        os.close(fd)
+
+
+def scan(layout: Layout, names: Iterable[str] = ()) -> ScanResult:
+    """Find every socket directory and every segment that the naming rules or `names` tie to kvcached."""
+    result = ScanResult()
+    wanted = {n for n in names if naming.is_valid_name(n)}
+    try:
+        tmp_fd = _open_dir(layout.tmp_dir)
+    except OSError as e:
+        if e.errno != errno.ENOENT:
+            result.errors.append(f"{layout.tmp_dir}: {e.strerror}")
+        tmp_fd = -1
+    if tmp_fd >= 0:
+        try:
+            tmp_st = os.fstat(tmp_fd)
+            for entry in sorted(os.listdir(tmp_fd)):
+                parsed = naming.parse_socket_dir_name(entry)
+                if parsed is None:
+                    continue
+                dep, hash_ok = parsed
+                try:
+                    result.candidates.append(_scan_socket_dir(
+                        layout, tmp_fd, tmp_st, entry, os.path.join(layout.tmp_dir, entry), dep, hash_ok,
+                        None, result.errors))
+                except FileNotFoundError:
+                    continue
+                if hash_ok:
+                    wanted.add(dep)
+        finally:
+            os.close(tmp_fd)
+    try:
+        shm_fd = _open_dir(layout.shm_dir)
+    except OSError as e:
+        if e.errno != errno.ENOENT:
+            result.errors.append(f"{layout.shm_dir}: {e.strerror}")
+        return result
+    try:
+        for entry in sorted(os.listdir(shm_fd)):
+            if entry not in wanted and not naming.DEFAULT_NAME_RE.match(entry):
+                continue
+            try:
+                st = os.stat(entry, dir_fd=shm_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            result.candidates.append(_candidate(Kind.SEGMENT, layout, os.path.join(layout.shm_dir, entry),
+                                                entry, st, deployment=entry))
+    finally:
+        os.close(shm_fd)
+    return result
+
+
+def probe_socket(path: str) -> tuple[Probe, str | None]:
+    """Non-blocking connect; only for nodes that no passive listing shows (LAYOUT.md §3)."""
+    target = path
+    dir_fd = -1
+    if len(os.fsencode(path)) >= SUN_PATH_MAX:
+        # Too long for sun_path: reach it through our own fd of its directory.
+        try:
+            dir_fd = _open_dir(os.path.dirname(path))
+        except OSError as e:
+            return Probe.ERROR, errno.errorcode.get(e.errno or 0, str(e.errno))
+        target = f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    try:
+        s.connect(target)
+        return Probe.ACCEPTS, None
+    except OSError as e:
+        code = e.errno or 0
+        name = errno.errorcode.get(code, str(code))
+        if code == errno.ECONNREFUSED:
+            return Probe.REFUSED, name
+        if code in (errno.EAGAIN, errno.EINPROGRESS):
+            return Probe.BUSY, name
+        if code in (errno.EACCES, errno.EPERM):
+            return Probe.DENIED, name
+        if code == errno.ENOENT:
+            return Probe.GONE, name
+        return Probe.ERROR, name
+    finally:
+        s.close()
+        if dir_fd >= 0:
+            os.close(dir_fd)
+
+
+def _segment_lease(c: Candidate, facts: Facts) -> bool | None:
+    if c.ident in facts.locks:
+        return True  # an OFD lease, or upstream's flock held right now: someone is using it
+    try:
+        fd = os.open(c.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != c.ident:
+            return None
+        return ofd_conflict(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def observe(c: Candidate, facts: Facts, *, probe: bool = True) -> Candidate:
+    """Add lease and probe signals. Probes only sockets that are unlisted in complete listings."""
+    children = tuple(observe(ch, facts, probe=probe) for ch in c.children)
+    lease: bool | None = c.lease
+    p, perr = c.probe, c.probe_errno
+    if c.kind is Kind.DIRECTORY and c.ftype is FileType.DIRECTORY:
+        lease = c.ident in facts.locks
+    elif c.kind is Kind.SEGMENT and c.ftype is FileType.REGULAR and c.nlink == 1:
+        lease = _segment_lease(c, facts)
+    elif (c.kind is Kind.SOCKET and c.ftype is FileType.SOCKET and probe
+          and c.seen_path not in facts.listeners and not facts.unreadable_netns):
+        p, perr = probe_socket(c.path)
+    return replace(c, children=children, lease=lease, probe=p, probe_errno=perr)

@@ -1,0 +1,108 @@
+"""The 24-byte limit segment of LAYOUT.md §2, with upstream's flock data locks."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+import struct
+from dataclasses import dataclass
+
+from .errors import NotASegment, SegmentMissing
+
+SEGMENT_SIZE = 24
+_FMT = "=qqq"  # total_size, used_size, prealloc_size; native byte order like upstream
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """The three numbers a segment carries, in bytes."""
+
+    total: int
+    used: int
+    prealloc: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"limit": self.total, "used": self.used, "prealloc": self.prealloc}
+
+
+def _open_checked(path: str, flags: int) -> int:
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise SegmentMissing(path) from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotASegment(path, "a symbolic link") from None
+        raise
+    try:
+        check_segment_stat(path, os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_segment_stat(path: str, st: os.stat_result, *, allow_empty: bool = False) -> None:
+    """Raise NotASegment unless `st` is a single-link regular file of 24 bytes."""
+    if not stat.S_ISREG(st.st_mode):
+        raise NotASegment(path, "not a regular file")
+    if st.st_nlink != 1:
+        # A hard link into /dev/shm could make us write through to a file elsewhere.
+        raise NotASegment(path, f"{st.st_nlink} hard links")
+    if st.st_size != SEGMENT_SIZE and not (allow_empty and st.st_size == 0):
+        raise NotASegment(path, f"{st.st_size} bytes, expected {SEGMENT_SIZE}")
+
+
+def read_segment(path: str) -> SegmentInfo:
+    """Read under LOCK_SH; never creates the file (unlike upstream's readers)."""
+    fd = _open_checked(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        data = os.pread(fd, SEGMENT_SIZE, 0)
+    finally:
+        os.close(fd)
+    if len(data) != SEGMENT_SIZE:
+        raise NotASegment(path, "truncated while reading")
+    return SegmentInfo(*struct.unpack(_FMT, data))
+
+
+def write_segment(path: str, *, total: int | None = None, used: int | None = None,
+                  prealloc: int | None = None) -> SegmentInfo:
+    """Update the given fields under LOCK_EX; returns the values now stored."""
+    for label, value in (("total", total), ("used", used), ("prealloc", prealloc)):
+        if value is not None and value < 0:
+            raise ValueError(f"{label} must be ≥ 0, got {value}")
+    fd = _open_checked(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        old = SegmentInfo(*struct.unpack(_FMT, os.pread(fd, SEGMENT_SIZE, 0)))
+        new = SegmentInfo(
+            old.total if total is None else total,
+            old.used if used is None else used,
+            old.prealloc if prealloc is None else prealloc,
+        )
+        os.pwrite(fd, struct.pack(_FMT, new.total, new.used, new.prealloc), 0)
+    finally:
+        os.close(fd)
+    return new
+
+
+def create_segment(path: str, total: int, *, exist_ok: bool = False) -> SegmentInfo:
+    """Create a segment with limit `total` (used = prealloc = 0); mode 0666 & ~umask like upstream."""
+    if total < 0:
+        raise ValueError(f"total must be ≥ 0, got {total}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except FileExistsError:
+        if not exist_ok:
+            raise
+        return read_segment(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, SEGMENT_SIZE)
+        os.pwrite(fd, struct.pack(_FMT, total, 0, 0), 0)
+    finally:
+        os.close(fd)
+    return SegmentInfo(total, 0, 0)
