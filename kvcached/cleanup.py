@@ -16,6 +16,7 @@ from typing import Iterable, Sequence
 
 from .decide import Decision, Policy, State, decide_tree
 from .facts import Facts, gather_facts
+from .ident import fd_handle, file_handle, same_file
 from .layout import Layout
 from .lease import ofd_lock
 from .scan import Candidate, Kind, StrEnum, observe, scan
@@ -163,7 +164,7 @@ class _Actor:
         except OSError as e:
             self.record(c, d, Action.FAILED, f"stat: {e.strerror}")
             return False
-        if (st.st_dev, st.st_ino) != c.ident:
+        if (st.st_dev, st.st_ino) != c.ident or not same_file(c.handle, file_handle(c.name, dir_fd)):
             # A successor re-created this name between scan and act: it is not what we decided on.
             self.record(c, d, Action.KEPT, "replaced since the scan")
             return False
@@ -203,7 +204,7 @@ class _Actor:
                 self.record(c, d, Action.FAILED, f"open: {e.strerror}")
                 return
             st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != c.ident:
+            if (st.st_dev, st.st_ino) != c.ident or not same_file(c.handle, fd_handle(fd)):
                 self.record(c, d, Action.KEPT, "replaced since the scan")
                 return
             # The exclusive lease proves no engine of ours took it since the scan;
@@ -241,7 +242,7 @@ class _Actor:
             return False
         try:
             st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != c.ident:
+            if (st.st_dev, st.st_ino) != c.ident or not same_file(c.handle, fd_handle(fd)):
                 self.keep_all(c, decisions, "directory replaced since the scan")
                 return False
             if not locked:

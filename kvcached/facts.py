@@ -144,6 +144,15 @@ def _parse_stat(raw: bytes, btime: float) -> tuple[str, int, int, float, bool]:
     return comm, ppid, pgid, btime + start_ticks / _CLK_TCK, gone
 
 
+def process_start_time(pid: int, proc_root: str = "/proc") -> float | None:
+    """The start time `gather_facts` records for `pid` (same clock, same rounding); None when gone."""
+    try:
+        _, _, _, start, gone = _parse_stat(_read(f"{proc_root}/{pid}/stat"), _boot_time(proc_root))
+    except (OSError, ValueError, IndexError):
+        return None
+    return None if gone else start
+
+
 def _status_uid(raw: bytes) -> int:
     for line in raw.splitlines():
         if line.startswith(b"Uid:"):

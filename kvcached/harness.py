@@ -94,12 +94,15 @@ class Deployment:
 
 
 def _alive(pid: int) -> bool:
+    """Running, or a zombie whose other threads are still exiting (and still hold its files)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             state = f.read().rsplit(b")", 1)[1].split()[0]
+        if state not in (b"Z", b"X"):
+            return True
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
     except (OSError, IndexError):
         return False
-    return state not in (b"Z", b"X")
 
 
 def _base_cmd(role: str, name: str, layout: Layout, tp: int, pp: int) -> list[str]:
@@ -153,16 +156,18 @@ def _read_ready(proc: subprocess.Popen, timeout: float) -> dict[str, Any] | None
     return None
 
 
-def _wait_listening(paths: Sequence[str], timeout: float) -> None:
+def _wait_listening(paths: Sequence[str], procs: Sequence[subprocess.Popen], timeout: float) -> None:
     from .ipc.client import ping
 
     deadline = time.monotonic() + timeout
-    for path in paths:
+    for path, proc in zip(paths, procs):
         while True:
             try:
                 ping(path, timeout=1.0)
                 break
             except Exception:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"worker for {path} exited with {proc.returncode}") from None
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.01)
@@ -207,7 +212,14 @@ def _run_engine(args: argparse.Namespace, layout: Layout) -> int:
             if args.pool:
                 cmd.append("--pool")
             workers.append((stage, rank, subprocess.Popen(cmd, stdin=subprocess.DEVNULL)))
-    _wait_listening([layout.socket_path(args.name, r, s) for s, r, _ in workers], timeout=30)
+    try:
+        _wait_listening([layout.socket_path(args.name, r, s) for s, r, _ in workers],
+                        [p for _, _, p in workers], timeout=30)
+    except Exception as e:
+        print(f"harness engine: {e}", file=sys.stderr)
+        for _, _, p in workers:
+            p.kill()
+        return 1
     print(READY + json.dumps({"workers": [{"stage": s, "rank": r, "pid": p.pid} for s, r, p in workers]}),
           flush=True)
 

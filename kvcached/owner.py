@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 from .decide import Policy, State, decide
 from .facts import listening_facts
+from .ident import file_handle, same_file
 from .layout import Layout
 from .lease import ofd_conflict
 from .scan import Kind, _candidate, probe_socket
@@ -43,6 +44,7 @@ class _Node:
     rank: int
     path: str
     ident: tuple[int, int]
+    handle: bytes | None
 
 
 class SegmentCleanup:
@@ -142,11 +144,18 @@ class WorkerSocketCleanup:
             self._pending.clear()
             for stage, rank, path in self.layout.socket_paths(self.name, self.tp_size, self.pp_size):
                 try:
-                    st = os.lstat(path)
+                    dir_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except OSError:
+                    continue
+                try:
+                    st = os.stat(os.path.basename(path), dir_fd=dir_fd, follow_symlinks=False)
+                    handle = file_handle(os.path.basename(path), dir_fd)
                 except OSError:
                     continue  # absent at capture: never ours to claim
+                finally:
+                    os.close(dir_fd)
                 if stat.S_ISSOCK(st.st_mode):
-                    self._pending[path] = _Node(stage, rank, path, (st.st_dev, st.st_ino))
+                    self._pending[path] = _Node(stage, rank, path, (st.st_dev, st.st_ino), handle)
             self._captured = True
             return len(self._pending)
 
@@ -187,7 +196,8 @@ class WorkerSocketCleanup:
                 except FileNotFoundError:
                     del self._pending[path]
                     continue
-                if (st.st_dev, st.st_ino) != node.ident:
+                if (st.st_dev, st.st_ino) != node.ident or not same_file(
+                        node.handle, file_handle(os.path.basename(path), dir_fd)):
                     del self._pending[path]  # a successor's node: never ours
                     kept.append((path, "replaced by a successor"))
                     continue
@@ -199,6 +209,9 @@ class WorkerSocketCleanup:
                 d = decide(c, facts, policy, now)
                 if d.state is not State.STALE:
                     kept.append((path, f"{d.state}: {d.detail}"))
+                    continue
+                if not same_file(node.handle, file_handle(os.path.basename(path), dir_fd)):
+                    del self._pending[path]  # replaced while we probed
                     continue
                 try:
                     os.unlink(os.path.basename(path), dir_fd=dir_fd)

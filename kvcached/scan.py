@@ -17,6 +17,7 @@ from typing import Iterable
 
 from . import naming
 from .facts import Facts
+from .ident import file_handle
 from .lease import ofd_conflict
 from .layout import Layout, SUN_PATH_MAX
 
@@ -89,6 +90,7 @@ class Candidate:
     mtime: float
     rank: int | None = None
     stage: int | None = None
+    handle: bytes | None = None  # kernel file handle: tells a reused inode number apart (ident.py)
     hash_ok: bool = True
     parent_uid: int | None = None
     cross_mount: bool = False
@@ -115,9 +117,10 @@ def _open_dir(path: str, dir_fd: int | None = None) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
 
 
-def _candidate(kind: Kind, layout: Layout, path: str, name: str, st: os.stat_result, **kw: object) -> Candidate:
+def _candidate(kind: Kind, layout: Layout, path: str, name: str, st: os.stat_result, *,
+               handle: bytes | None = None, **kw: object) -> Candidate:
     return Candidate(kind=kind, path=path, seen_path=layout.seen_path(path), name=name,
-                     ftype=file_type(st.st_mode), ident=(st.st_dev, st.st_ino), uid=st.st_uid,
+                     ftype=file_type(st.st_mode), ident=(st.st_dev, st.st_ino), handle=handle, uid=st.st_uid,
                      mode=stat.S_IMODE(st.st_mode), nlink=st.st_nlink, size=st.st_size,
                      mtime=st.st_mtime, **kw)  # type: ignore[arg-type]
 
@@ -125,7 +128,7 @@ def _candidate(kind: Kind, layout: Layout, path: str, name: str, st: os.stat_res
 def _scan_socket_dir(layout: Layout, parent_fd: int, parent_st: os.stat_result, name: str, path: str,
                      deployment: str, hash_ok: bool, stage: int | None, errors: list[str]) -> Candidate:
     st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-    common = dict(deployment=deployment, hash_ok=hash_ok, stage=stage,
+    common = dict(deployment=deployment, hash_ok=hash_ok, stage=stage, handle=file_handle(name, parent_fd),
                   parent_uid=parent_st.st_uid if stage is not None else None,
                   cross_mount=st.st_dev != parent_st.st_dev)
     if not stat.S_ISDIR(st.st_mode) or st.st_dev != parent_st.st_dev or not hash_ok:
@@ -152,7 +155,8 @@ def _scan_socket_dir(layout: Layout, parent_fd: int, parent_st: os.stat_result, 
             sub_stage = naming.parse_stage_name(entry) if stage is None else None
             if rank is not None:
                 children.append(_candidate(Kind.SOCKET, layout, child_path, entry, cst, deployment=deployment,
-                                            rank=rank, stage=stage or 0, parent_uid=fst.st_uid))
+                                            rank=rank, stage=stage or 0, parent_uid=fst.st_uid,
+                                            handle=file_handle(entry, fd)))
             elif sub_stage is not None:
                 children.append(_scan_socket_dir(layout, fd, fst, entry, child_path, deployment, True,
                                                  sub_stage, errors))
@@ -207,7 +211,7 @@ def scan(layout: Layout, names: Iterable[str] = ()) -> ScanResult:
             except FileNotFoundError:
                 continue
             result.candidates.append(_candidate(Kind.SEGMENT, layout, os.path.join(layout.shm_dir, entry),
-                                                entry, st, deployment=entry))
+                                                entry, st, deployment=entry, handle=file_handle(entry, shm_fd)))
     finally:
         os.close(shm_fd)
     return result
@@ -263,16 +267,23 @@ def _segment_lease(c: Candidate, facts: Facts) -> bool | None:
         os.close(fd)
 
 
-def observe(c: Candidate, facts: Facts, *, probe: bool = True) -> Candidate:
-    """Add lease and probe signals. Probes only sockets that are unlisted in complete listings."""
-    children = tuple(observe(ch, facts, probe=probe) for ch in c.children)
+def observe(c: Candidate, facts: Facts, *, probe: bool = True, inherited: bool = False) -> Candidate:
+    """Add lease and probe signals. Probes only sockets that are unlisted in complete listings.
+
+    A held directory lease covers everything inside: the deployment is alive, and
+    a cleaner could not take the exclusive lock it needs to remove anything there.
+    """
     lease: bool | None = c.lease
     p, perr = c.probe, c.probe_errno
-    if c.kind is Kind.DIRECTORY and c.ftype is FileType.DIRECTORY:
+    if inherited:
+        lease = True
+    elif c.kind is Kind.DIRECTORY and c.ftype is FileType.DIRECTORY:
         lease = c.ident in facts.locks
     elif c.kind is Kind.SEGMENT and c.ftype is FileType.REGULAR and c.nlink == 1:
         lease = _segment_lease(c, facts)
     elif (c.kind is Kind.SOCKET and c.ftype is FileType.SOCKET and probe
           and c.seen_path not in facts.listeners and not facts.unreadable_netns):
         p, perr = probe_socket(c.path)
+    children = tuple(observe(ch, facts, probe=probe, inherited=bool(lease) and c.kind is Kind.DIRECTORY)
+                     for ch in c.children)
     return replace(c, children=children, lease=lease, probe=p, probe_errno=perr)

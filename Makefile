@@ -1,0 +1,32 @@
+# Two commands on a bare machine (Python ≥ 3.10 with venv and a C++ compiler):
+#   make demo   install kvcached + kvctl into .venv and run `kvctl demo`
+#   make test   install the test dependencies (vLLM 0.33 without a GPU included) and run the suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+
+.PHONY: demo test bench completions clean
+
+$(VENV)/.base: pyproject.toml setup.py
+	python3 -m venv $(VENV)
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+$(VENV)/.vllm: $(VENV)/.base scripts/install-vllm.sh
+	. $(VENV)/bin/activate && bash scripts/install-vllm.sh
+	touch $@
+
+demo: $(VENV)/.base
+	$(VENV)/bin/kvctl demo
+
+test: $(VENV)/.vllm
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+bench: $(VENV)/.vllm
+	$(PY) bench/run_all.py
+
+completions: $(VENV)/.base
+	$(PY) scripts/gen_completions.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info kvcached/*.so

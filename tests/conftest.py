@@ -1,0 +1,79 @@
+"""Shared fixtures: a private node root per test, real deployments reaped at teardown."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import subprocess
+import shutil
+import tempfile
+import time
+import zlib
+from collections.abc import Iterator
+
+import pytest
+
+from kvcached.layout import Layout
+
+TEST_USER = "kvctest"
+
+
+@pytest.fixture
+def layout() -> Iterator[Layout]:
+    """A private node root with /tmp and /dev/shm, like a real node's.
+
+    Short and under /tmp, not pytest's tmp_path: socket paths must fit 108 bytes.
+    """
+    root = tempfile.mkdtemp(prefix="kv", dir="/tmp")
+    for sub in ("tmp", "dev/shm"):
+        os.makedirs(os.path.join(root, sub))
+        os.chmod(os.path.join(root, sub), 0o1777)
+    os.chmod(root, 0o755)
+    yield Layout(root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def uniq(request) -> str:
+    """A name unique to this test and process, so parallel runs never collide."""
+    return f"t{os.getpid()}x{zlib.crc32(request.node.nodeid.encode()) % 10**5}"
+
+
+@pytest.fixture
+def deployments() -> Iterator[list]:
+    """Deployments started by a test; all SIGKILLed and reaped at teardown."""
+    started: list = []
+    yield started
+    for d in started:
+        d.kill()
+
+
+def _ensure_user(name: str) -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        pass
+    for _ in range(20):
+        r = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                           capture_output=True, text=True)
+        if r.returncode in (0, 9):  # 9: exists (another process created it)
+            return pwd.getpwnam(name)
+        time.sleep(0.2)  # /etc/passwd locked by a concurrent useradd
+    raise RuntimeError(f"useradd {name}: {r.stderr.strip()}")
+
+
+@pytest.fixture(scope="session")
+def unpriv_user() -> pwd.struct_passwd:
+    """An unprivileged user created for the tests (needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("creating a test user needs root")
+    return _ensure_user(TEST_USER)
+
+
+def allow_traverse(path: str) -> None:
+    """Let other users reach `path` (pytest's tmp dirs are 0700)."""
+    p = os.path.abspath(path)
+    while p != "/":
+        st = os.stat(p)
+        os.chmod(p, st.st_mode | 0o011)
+        p = os.path.dirname(p)

@@ -1,0 +1,187 @@
+"""Worker IPC: the listener survives hostile peers and guards its path and directory."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvcached.errors import IpcError, SocketInUse, UnsafeDirectory
+from kvcached.ipc.client import Client, ping
+from kvcached.ipc.listener import WorkerListener
+from kvcached.ipc.protocol import HEADER_SIZE, MAX_BODY, VERSION
+
+from .helpers import live_socket, run_as, stale_socket
+
+
+@pytest.fixture
+def listener(layout, uniq):
+    w = WorkerListener(layout, uniq, 1, 2, timeout=0.5).start()
+    yield w
+    w.stop()
+
+
+def raw(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(2)
+    s.connect(path)
+    return s
+
+
+def test_ping_and_registry(listener) -> None:
+    info = ping(listener.path)
+    assert info == {"pid": os.getpid(), "rank": 1, "stage": 2, "version": VERSION, "name": listener.name}
+    listener.register("echo", lambda args: {"got": args})
+    assert Client(listener.path).call("echo", offsets=[1, 2], group_id=0) == {"got": {"offsets": [1, 2], "group_id": 0}}
+    with pytest.raises(IpcError, match="unknown command"):
+        Client(listener.path).call("nope")
+    listener.register("boom", lambda args: 1 / 0)
+    with pytest.raises(IpcError, match="ZeroDivisionError"):
+        Client(listener.path).call("boom")
+    assert ping(listener.path)["pid"] == os.getpid()
+
+
+def test_private_directory_and_node(listener, layout, uniq) -> None:
+    for d in (layout.socket_dir(uniq), layout.stage_dir(uniq, 2)):
+        st = os.lstat(d)
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+    assert stat.S_IMODE(os.lstat(listener.path).st_mode) == 0o600
+
+
+def test_survives_bare_connects_half_oversized_and_garbage_frames(listener) -> None:
+    for _ in range(20):
+        raw(listener.path).close()  # what kills an upstream listener
+    s = raw(listener.path)
+    s.sendall(b"KV\x01")  # half a header, then silence: the slow-peer timeout ends it
+    s2 = raw(listener.path)
+    s2.sendall(struct.pack(">2sBBI", b"KV", VERSION, 1, MAX_BODY + 1))  # over the cap
+    assert b"exceeds" in s2.recv(4096)
+    s3 = raw(listener.path)
+    s3.sendall(b"\x00\x00\x00\x10" + b"\x80\x04pickle!!" * 2)  # an upstream pickle frame
+    assert b"bad magic" in s3.recv(4096)
+    s4 = raw(listener.path)
+    s4.sendall(struct.pack(">2sBBI", b"KV", VERSION, 1, 5) + b"[1,2]")
+    assert b"not a JSON object" in s4.recv(4096)
+    s5 = raw(listener.path)
+    s5.sendall(struct.pack(">2sBBI", b"KV", 99, 1, 2) + b"{}")
+    assert b"version 99 not supported" in s5.recv(4096)
+    assert ping(listener.path)["rank"] == 1  # answered while the slow peer still hangs
+    time.sleep(0.7)
+    assert s.recv(16) == b""  # the slow peer was timed out, not served forever
+    for x in (s, s2, s3, s4, s5):
+        x.close()
+    assert ping(listener.path)["rank"] == 1
+
+
+def test_many_slow_peers_do_not_stall_it(listener) -> None:
+    hogs = [raw(listener.path) for _ in range(40)]
+    time.sleep(0.1)
+    try:
+        deadline = time.monotonic() + 3
+        while True:
+            try:
+                assert ping(listener.path, timeout=1)["rank"] == 1
+                break
+            except IpcError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        for h in hogs:
+            h.close()
+
+
+def test_refuses_a_live_conflict_naming_its_pid(layout, uniq) -> None:
+    path = layout.socket_path(uniq, 0)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import socket, os, sys
+        os.makedirs(os.path.dirname({path!r}), mode=0o700, exist_ok=True)
+        s = socket.socket(socket.AF_UNIX); s.bind({path!r}); s.listen(1)
+        print("up", flush=True); sys.stdin.read()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "up"
+        with pytest.raises(SocketInUse) as e:
+            WorkerListener(layout, uniq, 0).start()
+        assert e.value.pids == (holder.pid,) and str(holder.pid) in str(e.value)
+        assert os.path.exists(path)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_replaces_a_stale_node_and_stop_cleans_up(layout, uniq) -> None:
+    path = layout.socket_path(uniq, 0, 1)
+    os.makedirs(layout.socket_dir(uniq), mode=0o700)
+    os.makedirs(os.path.dirname(path), mode=0o700)
+    stale_socket(path)
+    w = WorkerListener(layout, uniq, 0, 1).start()
+    assert ping(path)["pid"] == os.getpid()
+    w.stop()
+    assert not os.path.exists(layout.socket_dir(uniq))
+
+
+def test_stop_leaves_directory_while_a_peer_holds_the_lease(layout, uniq) -> None:
+    a = WorkerListener(layout, uniq, 0).start()
+    b = WorkerListener(layout, uniq, 1).start()
+    a.stop()
+    assert sorted(os.listdir(layout.socket_dir(uniq))) == ["w1.sock"]
+    b.stop()
+    assert not os.path.exists(layout.socket_dir(uniq))
+
+
+def test_refuses_foreign_things_at_its_path(layout, uniq) -> None:
+    path = layout.socket_path(uniq, 0)
+    os.makedirs(layout.socket_dir(uniq), mode=0o700)
+    os.mkfifo(path)
+    with pytest.raises(SocketInUse, match="not a socket"):
+        WorkerListener(layout, uniq, 0).start()
+    assert stat.S_ISFIFO(os.lstat(path).st_mode)
+
+
+def test_refuses_unsafe_directories(layout, uniq, tmp_path, unpriv_user) -> None:
+    d = layout.socket_dir(uniq)
+    os.symlink(tmp_path, d)
+    with pytest.raises(UnsafeDirectory, match="symbolic link"):
+        WorkerListener(layout, uniq, 0).start()
+    os.unlink(d)
+    os.makedirs(d, mode=0o777)
+    os.chmod(d, 0o777)
+    with pytest.raises(UnsafeDirectory, match="lets others write"):
+        WorkerListener(layout, uniq, 0).start()
+    os.chmod(d, 0o700)
+    os.chown(d, unpriv_user.pw_uid, unpriv_user.pw_gid)
+    with pytest.raises(UnsafeDirectory, match="owned by uid"):
+        WorkerListener(layout, uniq, 0).start()
+    assert os.listdir(d) == [] and os.listdir(tmp_path) == []
+
+
+def test_peer_credentials_are_checked(layout, uniq, unpriv_user) -> None:
+    from ..conftest import allow_traverse
+
+    allow_traverse(layout.root)
+    w = WorkerListener(layout, uniq, 0).start()
+    try:
+        # Let the other user reach the node, so that only SO_PEERCRED stands in the way.
+        os.chmod(layout.socket_dir(uniq), 0o755)
+        os.chmod(w.path, 0o666)
+        code = textwrap.dedent("""
+            import sys
+            from kvcached.ipc.client import ping
+            try:
+                ping(sys.argv[1]); print("served")
+            except Exception as e:
+                print("refused", e)
+        """)
+        out = run_as(unpriv_user, code, w.path)
+        assert out.stdout.startswith("refused"), (out.stdout, out.stderr)
+        assert ping(w.path)["pid"] == os.getpid()
+    finally:
+        os.chmod(layout.socket_dir(uniq), 0o700)
+        w.stop()

@@ -1,0 +1,144 @@
+"""`decide` as a table: every state and reason, no filesystem (STYLE.md §2)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from kvcached.decide import Decision, Policy, Reason, State, decide
+from kvcached.facts import Facts, ProcessInfo
+from kvcached.lease import LockEntry
+from kvcached.scan import Candidate, FileType, Kind, Probe
+
+NOW = 1_000_000.0
+OLD = NOW - 3600
+ROOT = Policy(grace=60, uid=0)
+USER = Policy(grace=60, uid=1000)
+
+SOCK = Candidate(kind=Kind.SOCKET, path="/tmp/kvcached-tp-d-x/w0.sock", seen_path="/tmp/kvcached-tp-d-x/w0.sock",
+                 name="w0.sock", deployment="d", ftype=FileType.SOCKET, ident=(1, 10), uid=1000, mode=0o600,
+                 nlink=1, size=0, mtime=OLD, rank=0, stage=0, parent_uid=1000, probe=Probe.REFUSED)
+SEG = Candidate(kind=Kind.SEGMENT, path="/dev/shm/d", seen_path="/dev/shm/d", name="d", deployment="d",
+                ftype=FileType.REGULAR, ident=(2, 20), uid=1000, mode=0o644, nlink=1, size=24, mtime=OLD,
+                lease=False)
+PGSEG = replace(SEG, name="kvcached_vLLM_4242", deployment="kvcached_vLLM_4242", path="/dev/shm/kvcached_vLLM_4242")
+DIR = Candidate(kind=Kind.DIRECTORY, path="/tmp/kvcached-tp-d-x", seen_path="/tmp/kvcached-tp-d-x",
+                name="kvcached-tp-d-x", deployment="d", ftype=FileType.DIRECTORY, ident=(1, 30), uid=1000,
+                mode=0o700, nlink=2, size=0, mtime=OLD, lease=False, children=(SOCK,))
+
+
+def proc(pid: int, start: float = OLD - 100, **kw: object) -> ProcessInfo:
+    base = dict(pid=pid, start_time=start, ppid=1, pgid=pid, uid=1000, comm="python3", cmdline=("python3",),
+                ipc_name=None, socket_inodes=frozenset(), shm_files=frozenset(), mnt_ns="mnt:[1]",
+                net_ns="net:[1]", unreadable=frozenset())
+    base.update(kw)
+    return ProcessInfo(**base)  # type: ignore[arg-type]
+
+
+def facts(*procs: ProcessInfo, **kw: object) -> Facts:
+    f = Facts("/proc", NOW, 0, "mnt:[1]", "net:[1]")
+    f.processes = {p.pid: p for p in procs}
+    f.unreadable_pids = {p.pid: p.unreadable for p in procs if p.unreadable}
+    for k, v in kw.items():
+        setattr(f, k, v)
+    return f
+
+
+def d(state: State, reason: Reason) -> Decision:
+    return Decision(state, reason, "")
+
+
+STALE_SOCK = d(State.STALE, Reason.NOT_LISTENING)
+LIVE_SOCK = d(State.LIVE, Reason.LISTENING)
+
+CASES = [
+    # (id, candidate, facts, policy, children, expected state, expected reason)
+    ("socket stale: unlisted, refused", SOCK, facts(), ROOT, (), State.STALE, Reason.NOT_LISTENING),
+    ("socket live: listed", SOCK, facts(listeners={SOCK.seen_path: {99}}, socket_holders={99: {7}}), ROOT, (),
+     State.LIVE, Reason.LISTENING),
+    ("socket live: probe busy (full backlog)", replace(SOCK, probe=Probe.BUSY), facts(), ROOT, (),
+     State.LIVE, Reason.ACCEPTS),
+    ("socket live: probe accepts", replace(SOCK, probe=Probe.ACCEPTS), facts(), ROOT, (), State.LIVE, Reason.ACCEPTS),
+    ("socket unknown: probe denied", replace(SOCK, probe=Probe.DENIED), facts(), ROOT, (),
+     State.UNKNOWN, Reason.PROBE_DENIED),
+    ("socket unknown: probe error", replace(SOCK, probe=Probe.ERROR), facts(), ROOT, (),
+     State.UNKNOWN, Reason.PROBE_ERROR),
+    ("socket unknown: not probed", replace(SOCK, probe=None), facts(), ROOT, (), State.UNKNOWN, Reason.NOT_PROBED),
+    ("socket unknown: a netns unreadable", SOCK, facts(unreadable_netns={"net:[2]"}), ROOT, (),
+     State.UNKNOWN, Reason.NETNS_UNREADABLE),
+    ("socket young", replace(SOCK, mtime=NOW - 5), facts(), ROOT, (), State.YOUNG, Reason.YOUNG),
+    ("socket foreign: fifo", replace(SOCK, ftype=FileType.FIFO), facts(), ROOT, (), State.FOREIGN, Reason.WRONG_TYPE),
+    ("socket foreign: regular file", replace(SOCK, ftype=FileType.REGULAR), facts(), ROOT, (),
+     State.FOREIGN, Reason.WRONG_TYPE),
+    ("socket foreign: directory", replace(SOCK, ftype=FileType.DIRECTORY), facts(), ROOT, (),
+     State.FOREIGN, Reason.WRONG_TYPE),
+    ("socket foreign: symlink", replace(SOCK, ftype=FileType.SYMLINK), facts(), ROOT, (), State.FOREIGN, Reason.SYMLINK),
+    ("socket foreign: other user, not root", replace(SOCK, uid=2000, parent_uid=2000), facts(), USER, (),
+     State.FOREIGN, Reason.OTHER_USER),
+    ("socket foreign: owner differs from dir", replace(SOCK, uid=2000), facts(), ROOT, (),
+     State.FOREIGN, Reason.OWNER_MISMATCH),
+    ("socket live: deployment process alive (env name)", SOCK, facts(proc(7, ipc_name="d")), ROOT, (),
+     State.LIVE, Reason.OWNER_ALIVE),
+    ("socket: deployment process started after last change is no evidence", SOCK,
+     facts(proc(7, start=NOW - 1, ipc_name="d")), ROOT, (), State.STALE, Reason.NOT_LISTENING),
+    ("segment live: lease", replace(SEG, lease=True), facts(locks={(2, 20): [LockEntry("OFDLCK", "READ", -1)]}),
+     ROOT, (), State.LIVE, Reason.LEASE_HELD),
+    ("segment live: held open", SEG, facts(proc(8, shm_files=frozenset({(2, 20)}))), ROOT, (),
+     State.LIVE, Reason.HELD_OPEN),
+    ("segment stale: nobody", SEG, facts(), ROOT, (), State.STALE, Reason.NO_OWNER),
+    ("segment young", replace(SEG, mtime=NOW - 1), facts(), ROOT, (), State.YOUNG, Reason.YOUNG),
+    ("segment young: half-made 0 bytes", replace(SEG, mtime=NOW - 1, size=0), facts(), ROOT, (),
+     State.YOUNG, Reason.YOUNG),
+    ("segment unknown: lease untestable", replace(SEG, lease=None), facts(), ROOT, (),
+     State.UNKNOWN, Reason.LEASE_UNTESTED),
+    ("segment unknown: an engine-like process of its uid unreadable", SEG,
+     facts(proc(9, unreadable=frozenset({"maps", "environ"}))), ROOT, (), State.UNKNOWN, Reason.PROC_INCOMPLETE),
+    ("segment: an unreadable non-engine process is not a blind spot", SEG,
+     facts(proc(1, comm="process_api", cmdline=("/process_api",), unreadable=frozenset({"maps"}))), ROOT, (),
+     State.STALE, Reason.NO_OWNER),
+    ("segment foreign: hard link", replace(SEG, nlink=2), facts(), ROOT, (), State.FOREIGN, Reason.HARD_LINKED),
+    ("segment foreign: symlink", replace(SEG, ftype=FileType.SYMLINK), facts(), ROOT, (), State.FOREIGN, Reason.SYMLINK),
+    ("segment foreign: wrong size", replace(SEG, size=4096), facts(), ROOT, (), State.FOREIGN, Reason.BAD_SIZE),
+    ("segment foreign: other user", replace(SEG, uid=2000), facts(), USER, (), State.FOREIGN, Reason.OTHER_USER),
+    ("pgid segment live: group predates last change", PGSEG, facts(proc(4242, pgid=4242)), ROOT, (),
+     State.LIVE, Reason.GROUP_ALIVE),
+    ("pgid segment stale: pgid reused by a newer group", PGSEG, facts(proc(4242, start=NOW - 10, pgid=4242)), ROOT,
+     (), State.STALE, Reason.PGID_REUSED),
+    ("dir live: lease held", replace(DIR, lease=True), facts(), ROOT, (STALE_SOCK,), State.LIVE, Reason.LEASE_HELD),
+    ("dir live: a live child", DIR, facts(), ROOT, (LIVE_SOCK,), State.LIVE, Reason.CHILD_LIVE),
+    ("dir unknown: an unknown child", DIR, facts(), ROOT, (d(State.UNKNOWN, Reason.PROBE_DENIED),),
+     State.UNKNOWN, Reason.CHILD_UNKNOWN),
+    ("dir young: a young child", DIR, facts(), ROOT, (d(State.YOUNG, Reason.YOUNG),), State.YOUNG, Reason.CHILD_YOUNG),
+    ("dir foreign: a foreign child", DIR, facts(), ROOT, (d(State.FOREIGN, Reason.WRONG_TYPE),),
+     State.FOREIGN, Reason.CONTAINS_FOREIGN),
+    ("dir foreign: unrecognised entry", replace(DIR, extras=("junk",)), facts(), ROOT, (STALE_SOCK,),
+     State.FOREIGN, Reason.CONTAINS_FOREIGN),
+    ("dir stale: all children stale", DIR, facts(), ROOT, (STALE_SOCK,), State.STALE, Reason.ALL_STALE),
+    ("dir stale: empty", replace(DIR, children=()), facts(), ROOT, (), State.STALE, Reason.EMPTY_DIR),
+    ("dir young: empty and fresh", replace(DIR, children=(), mtime=NOW - 2), facts(), ROOT, (), State.YOUNG, Reason.YOUNG),
+    ("dir foreign: bad hash", replace(DIR, hash_ok=False), facts(), ROOT, (), State.FOREIGN, Reason.BAD_HASH),
+    ("dir foreign: mount point", replace(DIR, cross_mount=True), facts(), ROOT, (), State.FOREIGN, Reason.MOUNT_POINT),
+    ("dir foreign: world-writable", replace(DIR, mode=0o777), facts(), ROOT, (), State.FOREIGN, Reason.WORLD_WRITABLE),
+    ("dir foreign: a symlink", replace(DIR, ftype=FileType.SYMLINK), facts(), ROOT, (), State.FOREIGN, Reason.SYMLINK),
+    ("dir foreign: a file", replace(DIR, ftype=FileType.REGULAR), facts(), ROOT, (), State.FOREIGN, Reason.WRONG_TYPE),
+]
+
+
+@pytest.mark.parametrize("c, f, policy, children, state, reason", [x[1:] for x in CASES], ids=[x[0] for x in CASES])
+def test_decide_table(c: Candidate, f: Facts, policy: Policy, children: tuple[Decision, ...], state: State,
+                      reason: Reason) -> None:
+    got = decide(c, f, policy, NOW, children)
+    assert (got.state, got.reason) == (state, reason), got.detail
+
+
+def test_every_state_and_reason_is_covered() -> None:
+    states = {x[5] for x in CASES}
+    reasons = {x[6] for x in CASES}
+    assert states == set(State)
+    assert reasons == set(Reason), set(Reason) - reasons
+
+
+def test_live_decision_names_the_serving_pids() -> None:
+    got = decide(SOCK, facts(listeners={SOCK.seen_path: {99}}, socket_holders={99: {7, 8}}), ROOT, NOW)
+    assert got.pids == (7, 8)

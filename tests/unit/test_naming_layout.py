@@ -1,0 +1,71 @@
+"""Naming and layout, both directions (LAYOUT.md §1-3)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcached import naming
+from kvcached.errors import InvalidName, PathTooLong
+from kvcached.layout import Layout, PathKind, PathRef
+
+
+def test_sanitize_matches_upstream_rule() -> None:
+    assert naming.sanitize("my model/v1:prod") == "my-model-v1-prod"
+    assert naming.sanitize("ünïcode_ok-1") == "ünïcode_ok-1"  # str.isalnum is Unicode-aware
+    assert naming.sanitize("a" * 100) == "a" * 64
+    assert naming.sanitize("x\ny\x1b[31m") == "x-y--31m"
+
+
+def test_name_from_env_explicit_and_default() -> None:
+    assert naming.ipc_name_from_env({"KVCACHED_IPC_NAME": "a b"}) == "a-b"
+    assert naming.ipc_name_from_env({"KVCACHED_IPC_NAME": ""}, tag="proc").startswith("kvcached_proc_")
+    assert naming.default_ipc_name("vLLM", 12345) == "kvcached_vLLM_12345"
+    assert naming.default_name_pgid("kvcached_vLLM_12345") == 12345
+    assert naming.default_name_pgid("kvcached_SGLang_7_g1") == 7
+    assert naming.default_name_pgid("explicit") is None
+
+
+def test_hash_is_upstreams() -> None:
+    # The example from LAYOUT.md §3.
+    assert naming.socket_dir_name("kvcached_vLLM_12345") == "kvcached-tp-kvcached_vLLM_12345-9bc83684"
+
+
+def test_forward_paths() -> None:
+    lay = Layout("/r")
+    assert lay.segment_path("n") == "/r/dev/shm/n"
+    d = f"/r/tmp/kvcached-tp-n-{naming.socket_hash('n')}"
+    assert lay.socket_dir("n") == d
+    assert lay.socket_path("n", 3) == f"{d}/w3.sock"
+    assert lay.socket_path("n", 1, 2) == f"{d}/pp2/w1.sock"
+    assert [p for _, _, p in lay.socket_paths("n", 2, 2)] == [
+        f"{d}/w0.sock", f"{d}/w1.sock", f"{d}/pp1/w0.sock", f"{d}/pp1/w1.sock"]
+
+
+def test_reverse_classification() -> None:
+    lay = Layout("/r")
+    d = lay.socket_dir("n")
+    assert lay.classify(lay.socket_path("n", 1, 2)) == PathRef(PathKind.SOCKET, "n", True, rank=1, stage=2)
+    assert lay.classify(lay.socket_path("n", 0)) == PathRef(PathKind.SOCKET, "n", True, rank=0, stage=0)
+    assert lay.classify(d) == PathRef(PathKind.SOCKET_DIR, "n", True)
+    assert lay.classify(f"{d}/pp1") == PathRef(PathKind.STAGE_DIR, "n", True, stage=1)
+    assert lay.classify("/r/tmp/kvcached-tp-n-00000000") == PathRef(PathKind.SOCKET_DIR, "n", False)
+    assert lay.classify("/r/dev/shm/kvcached_vLLM_9") == PathRef(PathKind.SEGMENT, "kvcached_vLLM_9")
+    for not_ours in ("/r/dev/shm/nccl-123", "/r/tmp/other", f"{d}/junk", f"{d}/pp0", "/etc/passwd", "/r/tmp"):
+        assert lay.classify(not_ours) is None, not_ours
+
+
+def test_invalid_names_and_long_paths() -> None:
+    lay = Layout("/")
+    with pytest.raises(InvalidName):
+        lay.segment_path("../etc/passwd")
+    with pytest.raises(InvalidName):
+        lay.socket_dir("")
+    with pytest.raises(PathTooLong):
+        Layout("/" + "x" * 80).check_socket_path(Layout("/" + "x" * 80).socket_path("n" * 40, 0))
+
+
+def test_pid_view_maps_paths_as_processes_see_them() -> None:
+    lay = Layout.for_pid(42)
+    p = lay.socket_path("n", 0)
+    assert p.startswith("/proc/42/root/tmp/")
+    assert lay.seen_path(p) == Layout().socket_path("n", 0)
