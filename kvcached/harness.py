@@ -195,16 +195,9 @@ def _run_worker(args: argparse.Namespace, layout: Layout) -> int:
 
 
 def _run_engine(args: argparse.Namespace, layout: Layout) -> int:
-    from .lease import SegmentLease
-    from .segment import create_segment, write_segment
+    from .startup import claim_segment
 
-    seg = layout.segment_path(args.name)
-    try:
-        create_segment(seg, args.limit)
-    except FileExistsError:
-        write_segment(seg, total=args.limit, used=0, prealloc=0)  # a same-name restart joins it
-    lease = SegmentLease(seg)
-    lease.acquire()
+    lease, _, how = claim_segment(layout, args.name, args.limit)
     workers = []
     for stage in range(args.pp):
         for rank in range(args.tp):
