@@ -19,7 +19,7 @@ from .facts import Facts, gather_facts
 from .ident import fd_handle, file_handle, same_file
 from .layout import Layout
 from .lease import ofd_lock
-from .scan import Candidate, Kind, StrEnum, observe, scan
+from .scan import Candidate, Kind, StrEnum, scan
 
 
 class Action(StrEnum):
@@ -116,9 +116,9 @@ def plan(layout: Layout, policy: Policy | None = None, *, facts: Facts | None = 
     policy = policy or Policy()
     facts = facts if facts is not None else gather_facts(proc_root)
     extra = set(names) | {p.ipc_name for p in facts.processes.values() if p.ipc_name}
-    found = scan(layout, extra)
+    found = scan(layout, extra, facts, probe=probe)
     kinds = set(kinds)
-    roots = [observe(c, facts, probe=probe) for c in found.candidates if _matches(c, globs)]
+    roots = [c for c in found.candidates if _matches(c, globs)]
     if kinds:
         roots = [c for c in roots if c.kind in kinds or (Kind.SOCKET in kinds and c.kind is Kind.DIRECTORY)]
     t = time.time() if now is None else now

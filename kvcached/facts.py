@@ -79,14 +79,29 @@ class Facts:
     hidepid: bool = False
     errors: list[str] = field(default_factory=list)
 
+    def _index(self) -> dict[str, dict]:
+        # Built once per Facts so that deciding N candidates stays O(processes + N).
+        idx = self.__dict__.get("_idx")
+        if idx is None or idx["n"] != len(self.processes):
+            idx = {"n": len(self.processes), "pgid": defaultdict(list), "name": defaultdict(list),
+                   "file": defaultdict(list)}
+            for p in self.processes.values():
+                idx["pgid"][p.pgid].append(p)
+                if p.ipc_name:
+                    idx["name"][p.ipc_name].append(p)
+                for ident in p.shm_files:
+                    idx["file"][ident].append(p)
+            self.__dict__["_idx"] = idx
+        return idx
+
     def by_pgid(self, pgid: int) -> list[ProcessInfo]:
-        return [p for p in self.processes.values() if p.pgid == pgid]
+        return self._index()["pgid"].get(pgid, [])
 
     def by_ipc_name(self, name: str) -> list[ProcessInfo]:
-        return [p for p in self.processes.values() if p.ipc_name == name]
+        return self._index()["name"].get(name, [])
 
     def holders_of_file(self, ident: tuple[int, int]) -> list[ProcessInfo]:
-        return [p for p in self.processes.values() if ident in p.shm_files]
+        return self._index()["file"].get(ident, [])
 
     def serving_pids(self, seen_path: str) -> tuple[int, ...]:
         pids: set[int] = set()
@@ -95,19 +110,16 @@ class Facts:
         return tuple(sorted(pids))
 
     def blind_spots(self, uid: int, before: float) -> list[int]:
-        """Engine-like processes of `uid` (or root) that started before `before` and we could not fully read.
+        """Engine-like processes of `uid` that started before `before` and we could not fully read.
 
         Such a process might hold, map or name a candidate without our seeing it,
         so a candidate it could belong to cannot be proven stale.
         """
-        out = []
-        for pid in self.unreadable_pids:
-            p = self.processes.get(pid)
-            if p is None:
-                continue
-            if p.uid in (uid, 0) and p.engine_like and p.start_time <= before + START_SLACK:
-                out.append(pid)
-        return out
+        blind = self.__dict__.get("_blind")
+        if blind is None:
+            blind = self.__dict__["_blind"] = [
+                p for pid in self.unreadable_pids if (p := self.processes.get(pid)) is not None and p.engine_like]
+        return [p.pid for p in blind if p.uid == uid and p.start_time <= before + START_SLACK]
 
     def other_mount_namespaces(self) -> set[str]:
         return {p.mnt_ns for p in self.processes.values() if p.mnt_ns and p.mnt_ns != self.my_mnt_ns}

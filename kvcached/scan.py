@@ -118,19 +118,41 @@ def _open_dir(path: str, dir_fd: int | None = None) -> int:
 
 
 def _candidate(kind: Kind, layout: Layout, path: str, name: str, st: os.stat_result, *,
-               handle: bytes | None = None, **kw: object) -> Candidate:
-    return Candidate(kind=kind, path=path, seen_path=layout.seen_path(path), name=name,
+               handle: bytes | None = None, seen_path: str | None = None, **kw: object) -> Candidate:
+    return Candidate(kind=kind, path=path, seen_path=seen_path or layout.seen_path(path), name=name,
                      ftype=file_type(st.st_mode), ident=(st.st_dev, st.st_ino), handle=handle, uid=st.st_uid,
                      mode=stat.S_IMODE(st.st_mode), nlink=st.st_nlink, size=st.st_size,
                      mtime=st.st_mtime, **kw)  # type: ignore[arg-type]
 
 
+class _Observer:
+    """Signals that need a syscall, taken while the scan builds each candidate (no second pass)."""
+
+    def __init__(self, facts: Facts | None, probe: bool) -> None:
+        self.facts = facts
+        self.probe = probe
+
+    def dir_lease(self, ident: tuple[int, int], inherited: bool) -> bool | None:
+        if self.facts is None:
+            return None
+        return inherited or ident in self.facts.locks
+
+    def socket(self, path: str, seen: str, st: os.stat_result) -> tuple[Probe | None, str | None]:
+        f = self.facts
+        if (f is None or not self.probe or not stat.S_ISSOCK(st.st_mode) or seen in f.listeners
+                or f.unreadable_netns):
+            return None, None
+        return probe_socket(path)
+
+
 def _scan_socket_dir(layout: Layout, parent_fd: int, parent_st: os.stat_result, name: str, path: str,
-                     deployment: str, hash_ok: bool, stage: int | None, errors: list[str]) -> Candidate:
+                     deployment: str, hash_ok: bool, stage: int | None, errors: list[str],
+                     obs: _Observer, inherited: bool = False) -> Candidate:
     st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    lease = obs.dir_lease((st.st_dev, st.st_ino), inherited) if stat.S_ISDIR(st.st_mode) else None
     common = dict(deployment=deployment, hash_ok=hash_ok, stage=stage, handle=file_handle(name, parent_fd),
                   parent_uid=parent_st.st_uid if stage is not None else None,
-                  cross_mount=st.st_dev != parent_st.st_dev)
+                  cross_mount=st.st_dev != parent_st.st_dev, lease=lease)
     if not stat.S_ISDIR(st.st_mode) or st.st_dev != parent_st.st_dev or not hash_ok:
         return _candidate(Kind.DIRECTORY, layout, path, name, st, **common)
     try:
@@ -154,12 +176,15 @@ def _scan_socket_dir(layout: Layout, parent_fd: int, parent_st: os.stat_result, 
             rank = naming.parse_socket_name(entry)
             sub_stage = naming.parse_stage_name(entry) if stage is None else None
             if rank is not None:
+                seen = layout.seen_path(child_path)
+                probe, perr = (None, None) if lease else obs.socket(child_path, seen, cst)
                 children.append(_candidate(Kind.SOCKET, layout, child_path, entry, cst, deployment=deployment,
                                             rank=rank, stage=stage or 0, parent_uid=fst.st_uid,
-                                            handle=file_handle(entry, fd)))
+                                            handle=file_handle(entry, fd), lease=True if lease else None,
+                                            probe=probe, probe_errno=perr, seen_path=seen))
             elif sub_stage is not None:
                 children.append(_scan_socket_dir(layout, fd, fst, entry, child_path, deployment, True,
-                                                 sub_stage, errors))
+                                                 sub_stage, errors, obs, bool(lease)))
             else:
                 extras.append(entry)
         return _candidate(Kind.DIRECTORY, layout, path, name, st, children=tuple(children),
@@ -168,9 +193,15 @@ def _scan_socket_dir(layout: Layout, parent_fd: int, parent_st: os.stat_result, 
         os.close(fd)
 
 
-def scan(layout: Layout, names: Iterable[str] = ()) -> ScanResult:
-    """Find every socket directory and every segment that the naming rules or `names` tie to kvcached."""
+def scan(layout: Layout, names: Iterable[str] = (), facts: Facts | None = None, *,
+         probe: bool = True) -> ScanResult:
+    """Find every socket directory and every segment that the naming rules or `names` tie to kvcached.
+
+    With `facts`, each candidate is observed as it is found (leases, and connect
+    probes of socket nodes that no complete listing shows).
+    """
     result = ScanResult()
+    obs = _Observer(facts, probe)
     wanted = {n for n in names if naming.is_valid_name(n)}
     try:
         tmp_fd = _open_dir(layout.tmp_dir)
@@ -189,7 +220,7 @@ def scan(layout: Layout, names: Iterable[str] = ()) -> ScanResult:
                 try:
                     result.candidates.append(_scan_socket_dir(
                         layout, tmp_fd, tmp_st, entry, os.path.join(layout.tmp_dir, entry), dep, hash_ok,
-                        None, result.errors))
+                        None, result.errors, obs))
                 except FileNotFoundError:
                     continue
                 if hash_ok:
@@ -210,8 +241,11 @@ def scan(layout: Layout, names: Iterable[str] = ()) -> ScanResult:
                 st = os.stat(entry, dir_fd=shm_fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            result.candidates.append(_candidate(Kind.SEGMENT, layout, os.path.join(layout.shm_dir, entry),
-                                                entry, st, deployment=entry, handle=file_handle(entry, shm_fd)))
+            c = _candidate(Kind.SEGMENT, layout, os.path.join(layout.shm_dir, entry), entry, st,
+                           deployment=entry, handle=file_handle(entry, shm_fd))
+            if facts is not None and c.ftype is FileType.REGULAR and c.nlink == 1:
+                c = replace(c, lease=_segment_lease(c, facts))
+            result.candidates.append(c)
     finally:
         os.close(shm_fd)
     return result
@@ -265,25 +299,3 @@ def _segment_lease(c: Candidate, facts: Facts) -> bool | None:
         return None
     finally:
         os.close(fd)
-
-
-def observe(c: Candidate, facts: Facts, *, probe: bool = True, inherited: bool = False) -> Candidate:
-    """Add lease and probe signals. Probes only sockets that are unlisted in complete listings.
-
-    A held directory lease covers everything inside: the deployment is alive, and
-    a cleaner could not take the exclusive lock it needs to remove anything there.
-    """
-    lease: bool | None = c.lease
-    p, perr = c.probe, c.probe_errno
-    if inherited:
-        lease = True
-    elif c.kind is Kind.DIRECTORY and c.ftype is FileType.DIRECTORY:
-        lease = c.ident in facts.locks
-    elif c.kind is Kind.SEGMENT and c.ftype is FileType.REGULAR and c.nlink == 1:
-        lease = _segment_lease(c, facts)
-    elif (c.kind is Kind.SOCKET and c.ftype is FileType.SOCKET and probe
-          and c.seen_path not in facts.listeners and not facts.unreadable_netns):
-        p, perr = probe_socket(c.path)
-    children = tuple(observe(ch, facts, probe=probe, inherited=bool(lease) and c.kind is Kind.DIRECTORY)
-                     for ch in c.children)
-    return replace(c, children=children, lease=lease, probe=p, probe_errno=perr)
