@@ -226,7 +226,9 @@ class _Actor:
     def act_dir(self, parent_fd: int, c: Candidate, decisions: dict[str, Decision], locked: bool) -> bool:
         """Remove the stale entries of one socket directory; True when it was removed too."""
         d = decisions[c.path]
-        removable = [ch for ch in c.children if decisions[ch.path].state is State.STALE]
+        # Any stale entry below, not only a direct child: a dead worker's node in a
+        # stage directory that a live peer still serves from must go too.
+        removable = [x for x in c.walk() if x is not c and decisions[x.path].state is State.STALE]
         if d.state is not State.STALE and not removable:
             self.keep_all(c, decisions)
             return False

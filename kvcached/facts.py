@@ -6,6 +6,7 @@ pure function and a run's cost is linear in processes + candidates.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -212,6 +213,10 @@ def _scan_fds(fd_dir: str, shm_files: set[tuple[int, int]], sockets: set[int]) -
             shm_files.add((st.st_dev, st.st_ino))
 
 
+class _Gone(Exception):
+    """A per-process file vanished (ENOENT/ESRCH): the process exited during the pass."""
+
+
 def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
     base = f"{proc_root}/{pid}"
     try:
@@ -223,28 +228,30 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
     except (OSError, ValueError, IndexError):
         return None  # exited during the pass, or not a process directory
     unreadable: set[str] = set()
-    ipc_name = None
-    try:
-        ipc_name = _env_ipc_name(_read(f"{base}/environ"))
-    except OSError:
-        unreadable.add("environ")
     shm: set[tuple[int, int]] = set()
     sockets: set[int] = set()
-    try:
-        _scan_fds(f"{base}/fd", shm, sockets)
-    except OSError:
-        unreadable.add("fd")
-    try:
-        shm |= _shm_maps(_read(f"{base}/maps"))
-    except OSError:
-        unreadable.add("maps")
-    ns = {}
-    for kind in ("mnt", "net"):
+
+    def attempt(what: str, read):  # type: ignore[no-untyped-def]
         try:
-            ns[kind] = os.readlink(f"{base}/ns/{kind}")
-        except OSError:
-            ns[kind] = None
-            unreadable.add(f"ns/{kind}")
+            return read()
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ESRCH):
+                raise _Gone from None
+            unreadable.add(what)  # EACCES/EPERM and anything unexpected: we could not see it
+            return None
+
+    try:
+        raw_env = attempt("environ", lambda: _read(f"{base}/environ"))
+        ipc_name = _env_ipc_name(raw_env) if raw_env is not None else None
+        attempt("fd", lambda: _scan_fds(f"{base}/fd", shm, sockets))
+        maps = attempt("maps", lambda: _read(f"{base}/maps"))
+        if maps is not None:
+            shm |= _shm_maps(maps)
+        ns = {kind: attempt(f"ns/{kind}", lambda k=kind: os.readlink(f"{base}/ns/{k}")) for kind in ("mnt", "net")}
+    except _Gone:
+        # It exited while we read it: gone, not hidden from us. Counting it as
+        # unreadable would make every candidate of its uid unknown this run.
+        return None
     if not os.path.exists(base):
         return None  # it exited while we read it: what we read may be partial
     return ProcessInfo(pid, start, ppid, pgid, uid, comm, cmdline, ipc_name,
