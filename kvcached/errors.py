@@ -29,6 +29,14 @@ class SegmentMissing(KvcachedError, FileNotFoundError):
         self.path = path
 
 
+class SegmentBusy(KvcachedError):
+    """Another process held the segment's data lock for longer than we wait."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__(f"{path}: locked by another process for over {timeout:g}s")
+        self.path = path
+
+
 class UnsafeDirectory(KvcachedError):
     """A socket directory we may not use: not ours, a link, or writable by others."""
 

@@ -7,9 +7,10 @@ import fcntl
 import os
 import stat
 import struct
+import time
 from dataclasses import dataclass
 
-from .errors import NotASegment, SegmentMissing
+from .errors import NotASegment, SegmentBusy, SegmentMissing
 
 SEGMENT_SIZE = 24
 _FMT = "=qqq"  # total_size, used_size, prealloc_size; native byte order like upstream
@@ -55,11 +56,27 @@ def check_segment_stat(path: str, st: os.stat_result, *, allow_empty: bool = Fal
         raise NotASegment(path, f"{st.st_size} bytes, expected {SEGMENT_SIZE}")
 
 
-def read_segment(path: str) -> SegmentInfo:
+def _flock(fd: int, path: str, kind: int, timeout: float | None) -> None:
+    """flock with a bound: a process stuck inside its critical section must not hang kvctl."""
+    if timeout is None:
+        fcntl.flock(fd, kind)
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise SegmentBusy(path, timeout) from None
+            time.sleep(0.005)
+
+
+def read_segment(path: str, timeout: float | None = 2.0) -> SegmentInfo:
     """Read under LOCK_SH; never creates the file (unlike upstream's readers)."""
     fd = _open_checked(path, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        _flock(fd, path, fcntl.LOCK_SH, timeout)
         data = os.pread(fd, SEGMENT_SIZE, 0)
     finally:
         os.close(fd)
@@ -69,14 +86,14 @@ def read_segment(path: str) -> SegmentInfo:
 
 
 def write_segment(path: str, *, total: int | None = None, used: int | None = None,
-                  prealloc: int | None = None) -> SegmentInfo:
+                  prealloc: int | None = None, timeout: float | None = 5.0) -> SegmentInfo:
     """Update the given fields under LOCK_EX; returns the values now stored."""
     for label, value in (("total", total), ("used", used), ("prealloc", prealloc)):
         if value is not None and value < 0:
             raise ValueError(f"{label} must be ≥ 0, got {value}")
     fd = _open_checked(path, os.O_RDWR)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _flock(fd, path, fcntl.LOCK_EX, timeout)
         old = SegmentInfo(*struct.unpack(_FMT, os.pread(fd, SEGMENT_SIZE, 0)))
         new = SegmentInfo(
             old.total if total is None else total,

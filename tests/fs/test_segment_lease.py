@@ -91,3 +91,18 @@ def test_lease_in_process_roundtrip(layout) -> None:
         assert lease.identity == (os.stat(p).st_dev, os.stat(p).st_ino)
         assert segment_lease_held(p) is True
     assert segment_lease_held(p) is False
+
+
+def test_readers_do_not_hang_on_a_stuck_writer(layout) -> None:
+    from kvcached.errors import SegmentBusy
+
+    p = layout.segment_path("seg5")
+    create_segment(p, 1)
+    fd = os.open(p, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a writer stuck inside its critical section
+    try:
+        with pytest.raises(SegmentBusy, match="locked by another process"):
+            read_segment(p, timeout=0.1)
+    finally:
+        os.close(fd)
+    assert read_segment(p).total == 1

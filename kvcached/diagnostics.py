@@ -1,0 +1,429 @@
+"""`kvctl doctor`'s checks as data: each check is a named function from a shared context to a result.
+
+Node-state checks read the same plan gc would act on (one scan, one /proc pass
+per run). Checks that need another interpreter (the compiled extension, the
+installed vLLM) run it in a subprocess, so a crash or a noisy import there
+cannot take down or pollute the caller.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable, Mapping
+
+from . import naming
+from .cleanup import Plan, plan
+from .decide import Policy, State
+from .inspect import NodeView, build_view
+from .layout import SUN_PATH_MAX, Layout
+from .scan import StrEnum
+
+
+class Status(StrEnum):
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "fail"
+    SKIP = "skip"
+
+
+class Group(StrEnum):
+    ENVIRONMENT = "environment"
+    CONFIGURATION = "configuration"
+    NODE = "node"
+    ENGINE = "engine"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    group: Group
+    status: Status
+    summary: str
+    fix: str | None = None
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "group": str(self.group), "status": str(self.status),
+                "summary": self.summary, "fix": self.fix, "details": dict(self.details)}
+
+
+@dataclass
+class Context:
+    """What checks share: the layout, the environment, and one lazily built plan and view."""
+
+    layout: Layout
+    policy: Policy = field(default_factory=Policy)
+    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    proc_root: str = "/proc"
+    python: str = sys.executable
+    timeout: float = 60.0
+
+    @cached_property
+    def plan(self) -> Plan:
+        return plan(self.layout, self.policy, proc_root=self.proc_root)
+
+    @cached_property
+    def view(self) -> NodeView:
+        return build_view(self.plan, read_segments=False)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    group: Group
+    description: str
+    run: Callable[[Context], list[CheckResult]]
+
+
+def _r(check: str, group: Group, status: Status, summary: str, fix: str | None = None,
+       **details: Any) -> list[CheckResult]:
+    return [CheckResult(check, group, status, summary, fix, details)]
+
+
+def _mount_of(path: str, proc_root: str) -> tuple[str, str, str] | None:
+    """(mount point, fs type, super options) of the mount holding `path`, from mountinfo."""
+    try:
+        real = os.path.realpath(path)
+        with open(f"{proc_root}/self/mountinfo", "rb") as f:
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    best: tuple[str, str, str] | None = None
+    for line in lines:
+        pre, sep, post = line.partition(" - ")
+        if not sep:
+            continue
+        point = pre.split()[4].replace("\\040", " ")
+        fstype, _, opts = (post.split() + ["", "", ""])[:3]
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and (best is None or len(point) >= len(best[0])):
+            best = (point, fstype, opts)
+    return best
+
+
+# environment ----------------------------------------------------------------
+
+def check_shm(ctx: Context) -> list[CheckResult]:
+    g, d = Group.ENVIRONMENT, ctx.layout.shm_dir
+    try:
+        st = os.stat(d)
+    except OSError as e:
+        return _r("shm-present", g, Status.FAIL, f"{d}: {e.strerror}", "mount a tmpfs there: mount -t tmpfs -o mode=1777 tmpfs /dev/shm")
+    if not stat.S_ISDIR(st.st_mode):
+        return _r("shm-present", g, Status.FAIL, f"{d} is not a directory", "mount -t tmpfs -o mode=1777 tmpfs /dev/shm")
+    out = _r("shm-present", g, Status.OK, f"{d} present")
+    mount = _mount_of(d, ctx.proc_root)
+    if mount is None:
+        out += _r("shm-tmpfs", g, Status.WARN, f"cannot tell what filesystem holds {d}", "check /proc/self/mountinfo is readable")
+    elif mount[1] == "tmpfs":
+        out += _r("shm-tmpfs", g, Status.OK, f"{d} is on tmpfs (mounted at {mount[0]})")
+    else:
+        out += _r("shm-tmpfs", g, Status.WARN, f"{d} is on {mount[1]} (mounted at {mount[0]}), not tmpfs: segments survive reboots there",
+                  "mount -t tmpfs -o mode=1777 tmpfs /dev/shm", fstype=mount[1])
+    try:
+        vfs = os.statvfs(d)
+    except OSError as e:
+        return out + _r("shm-space", g, Status.WARN, f"statvfs {d}: {e.strerror}")
+    free, inodes = vfs.f_bavail * vfs.f_frsize, vfs.f_favail
+    details = {"free_bytes": free, "free_inodes": inodes}
+    if free < 4096 or (vfs.f_files and inodes == 0):
+        out += _r("shm-space", g, Status.FAIL, f"{d} is full ({free} bytes, {inodes} inodes free): new segments cannot be created",
+                  "remove stale state: kvctl gc --yes", **details)
+    elif free < (1 << 20) or (vfs.f_files and inodes < 100):
+        out += _r("shm-space", g, Status.WARN, f"{d} is nearly full ({free >> 10} KiB, {inodes} inodes free)",
+                  "remove stale state: kvctl gc --yes", **details)
+    else:
+        out += _r("shm-space", g, Status.OK, f"{d}: {free >> 20} MiB and {inodes if vfs.f_files else 'unlimited'} inodes free", **details)
+    return out
+
+
+def check_tmp(ctx: Context) -> list[CheckResult]:
+    d = ctx.layout.tmp_dir
+    try:
+        st = os.stat(d)
+    except OSError as e:
+        return _r("tmp-sticky", Group.ENVIRONMENT, Status.FAIL, f"{d}: {e.strerror}", f"create it: install -d -m 1777 {d}")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o002 and not mode & stat.S_ISVTX:
+        return _r("tmp-sticky", Group.ENVIRONMENT, Status.FAIL,
+                  f"{d} is world-writable without the sticky bit (mode {mode:o}): anyone can remove or replace worker sockets",
+                  f"chmod +t {d}", mode=f"{mode:o}")
+    return _r("tmp-sticky", Group.ENVIRONMENT, Status.OK, f"{d} mode {mode:o}", mode=f"{mode:o}")
+
+
+def check_proc(ctx: Context) -> list[CheckResult]:
+    facts = ctx.plan.facts
+    g = Group.ENVIRONMENT
+    if facts.errors:
+        return _r("proc-readable", g, Status.FAIL, f"/proc cannot be read: {facts.errors[0]}",
+                  "run kvctl where /proc is mounted (host PID namespace, or hostPID: true in Kubernetes)")
+    if facts.hidepid:
+        return _r("proc-readable", g, Status.WARN, "/proc is mounted with hidepid: other users' processes are invisible, their state stays unknown",
+                  "run kvctl as root or as a member of the /proc gid= group")
+    incomplete = ctx.view.incomplete
+    if incomplete:
+        return _r("proc-readable", g, Status.WARN,
+                  f"{len(incomplete)} engine-like process(es) could not be fully read (e.g. PID {incomplete[0]}): state they could own stays unknown",
+                  "run kvctl as root (sudo kvctl doctor)", pids=incomplete)
+    return _r("proc-readable", g, Status.OK, f"/proc readable ({len(facts.processes)} processes)")
+
+
+def check_privileges(ctx: Context) -> list[CheckResult]:
+    uid = ctx.policy.effective_uid
+    if uid == 0:
+        return _r("privileges", Group.ENVIRONMENT, Status.OK, "running as root: every user's state can be judged and cleaned", uid=uid)
+    others = sorted({e.candidate.uid for e in ctx.view.unowned + [x for d in ctx.view.deployments for x in d.entries]
+                     if e.candidate.uid != uid})
+    if others:
+        return _r("privileges", Group.ENVIRONMENT, Status.WARN,
+                  f"running as uid {uid}: entries of uid {', '.join(map(str, others))} are reported but never removed",
+                  "run as root to clean them: sudo kvctl gc", uid=uid)
+    return _r("privileges", Group.ENVIRONMENT, Status.OK, f"running as uid {uid}; all entries found are ours", uid=uid)
+
+
+# configuration --------------------------------------------------------------
+
+def _longest_socket(layout: Layout, name: str) -> str:
+    # Two-digit stages and ranks bound every shape we expect (PP, TP ≤ 99).
+    return layout.seen_path(layout.socket_path(name, 99, 99))
+
+
+def check_ipc_name(ctx: Context) -> list[CheckResult]:
+    g = Group.CONFIGURATION
+    raw = ctx.environ.get(naming.ENV_NAME, "")
+    if not raw:
+        return _r("ipc-name", g, Status.OK, f"{naming.ENV_NAME} unset: deployments use kvcached_<Tag>_<PGID>")
+    clean = naming.sanitize(raw)
+    if clean != raw:
+        return _r("ipc-name", g, Status.WARN, f"{naming.ENV_NAME}={raw!r} is used as {clean!r}: tools given the raw name will not find it",
+                  f"export {naming.ENV_NAME}={clean}", raw=raw, name=clean)
+    return _r("ipc-name", g, Status.OK, f"{naming.ENV_NAME}={clean}", name=clean)
+
+
+def check_socket_paths(ctx: Context) -> list[CheckResult]:
+    g = Group.CONFIGURATION
+    names = {naming.ipc_name_from_env(ctx.environ, tag="proc")} | {d.name for d in ctx.view.deployments}
+    too_long = []
+    longest = ("", 0)
+    for name in sorted(names):
+        if not naming.is_valid_name(name):
+            continue
+        path = _longest_socket(ctx.layout, name)
+        n = len(os.fsencode(path))
+        longest = max(longest, (path, n), key=lambda t: t[1])
+        if n >= SUN_PATH_MAX:
+            too_long.append(name)
+    if too_long:
+        return _r("socket-paths", g, Status.FAIL,
+                  f"socket paths of {', '.join(too_long)} exceed {SUN_PATH_MAX - 1} bytes: workers cannot bind",
+                  f"use a shorter {naming.ENV_NAME}", names=too_long)
+    return _r("socket-paths", g, Status.OK, f"socket paths fit in {SUN_PATH_MAX - 1} bytes (longest {longest[1]})")
+
+
+_EXT_PROBE = ("import importlib.util, sys\n"
+              "if importlib.util.find_spec('kvcached._kvpages') is None:\n"
+              "    print('missing'); sys.exit(3)\n"
+              "import kvcached._kvpages\n")
+
+
+def check_extension(ctx: Context) -> list[CheckResult]:
+    g = Group.CONFIGURATION
+    try:
+        r = subprocess.run([ctx.python, "-c", _EXT_PROBE], capture_output=True, text=True, timeout=ctx.timeout,
+                           env={**ctx.environ, "PYTHONDONTWRITEBYTECODE": "1"}, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return _r("extension", g, Status.FAIL, f"could not run {ctx.python}: {e}")
+    if r.returncode == 0:
+        return _r("extension", g, Status.OK, "compiled extension kvcached._kvpages loads")
+    if r.returncode == 3:
+        return _r("extension", g, Status.WARN, "compiled extension kvcached._kvpages is not built: engines cannot use this install",
+                  "build it: pip install -e . (needs a C++ compiler)")
+    last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+    return _r("extension", g, Status.FAIL, f"kvcached._kvpages does not load: {last}",
+              "rebuild it: pip install --force-reinstall --no-deps -e .", stderr=r.stderr[-2000:])
+
+
+# node state -----------------------------------------------------------------
+
+def check_stale(ctx: Context) -> list[CheckResult]:
+    g = Group.NODE
+    entries = [e for d in ctx.view.deployments for e in d.entries] + ctx.view.unowned
+    stale = [e for e in entries if e.state is State.STALE]
+    unknown = [e for e in entries if e.state is State.UNKNOWN]
+    foreign = [e for e in entries if e.state is State.FOREIGN]
+    out: list[CheckResult] = []
+    if stale:
+        deps = sorted({e.candidate.deployment or "?" for e in stale})
+        out += _r("stale", g, Status.WARN, f"{len(stale)} stale entr{'y' if len(stale) == 1 else 'ies'} of {len(deps)} dead deployment(s): {', '.join(deps)}",
+                  "kvctl gc --yes", paths=[e.path for e in stale])
+    else:
+        out += _r("stale", g, Status.OK, f"no stale entries ({len(entries)} found)")
+    if unknown:
+        reasons = sorted({str(e.decision.reason) for e in unknown})
+        out += _r("unknown", g, Status.WARN, f"{len(unknown)} entr{'y' if len(unknown) == 1 else 'ies'} of unknown liveness ({', '.join(reasons)}): kept",
+                  "run as root for complete evidence: sudo kvctl inspect", paths=[e.path for e in unknown])
+    if foreign:
+        out += _r("foreign", g, Status.WARN, f"{len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} not ours ({', '.join(sorted({str(e.decision.reason) for e in foreign}))}): never touched",
+                  "see why: kvctl inspect", paths=[e.path for e in foreign])
+    return out
+
+
+def check_orphans(ctx: Context) -> list[CheckResult]:
+    orphans = ctx.view.orphans
+    if not orphans:
+        return _r("orphans", Group.NODE, Status.OK, "no orphaned kvcached processes")
+    desc = ", ".join(f"PID {p.pid} ({d.name} {p.role.role})" for d, p in orphans[:5])
+    return _r("orphans", Group.NODE, Status.WARN, f"{len(orphans)} orphaned process(es): {desc}",
+              "kvctl gc --kill-orphans", pids=[p.pid for _, p in orphans])
+
+
+def check_namespaces(ctx: Context) -> list[CheckResult]:
+    ns = ctx.view.namespaces
+    if not ns:
+        return _r("namespaces", Group.NODE, Status.OK, "no kvcached processes in other mount namespaces")
+    first = ns[0]
+    return _r("namespaces", Group.NODE, Status.WARN,
+              f"{len(ns)} other mount namespace(s) run kvcached-like processes with their own /tmp or /dev/shm (e.g. PID {first.hint_pid})",
+              f"kvctl inspect --pid {first.hint_pid}", namespaces=[n.to_dict() for n in ns])
+
+
+# serving engine ---------------------------------------------------------------
+
+_DETECT_MARK = "KVCTL-DETECT "
+_DETECT_PROBE = ("import json\n"
+                 "from kvcached.integration.vllm_patches import detect\n"
+                 f"print({_DETECT_MARK!r} + json.dumps(detect().to_dict(), default=str), flush=True)\n")
+
+
+def _items(value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, Mapping):
+        return [(str(k), v) for k, v in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [(str(v.get("name", i)) if isinstance(v, Mapping) else str(i), v) for i, v in enumerate(value)]
+    return []
+
+
+def _flag(value: Any, keys: tuple[str, ...]) -> tuple[bool | None, str]:
+    if isinstance(value, bool):
+        return value, ""
+    if isinstance(value, Mapping):
+        detail = str(value.get("detail") or value.get("reason") or value.get("description") or "")
+        for k in keys:
+            if isinstance(value.get(k), bool):
+                return value[k], detail
+        return None, detail
+    return None, "" if value is None else str(value)
+
+
+def _has_integration() -> bool:
+    # find_spec of the submodule would execute kvcached.integration/__init__ here: look at the files instead.
+    spec = importlib.util.find_spec("kvcached.integration")
+    return bool(spec and spec.submodule_search_locations and any(
+        os.path.exists(os.path.join(d, "vllm_patches.py")) for d in spec.submodule_search_locations))
+
+
+def check_vllm(ctx: Context) -> list[CheckResult]:
+    g = Group.ENGINE
+    if importlib.util.find_spec("vllm") is None:
+        return _r("vllm", g, Status.SKIP, "vLLM is not installed here")
+    if not _has_integration():
+        return _r("vllm", g, Status.SKIP, "vLLM is installed, but this kvcached has no vLLM integration to inspect it")
+    try:
+        r = subprocess.run([ctx.python, "-c", _DETECT_PROBE], capture_output=True, text=True, timeout=ctx.timeout,
+                           env={**ctx.environ, "PYTHONDONTWRITEBYTECODE": "1"}, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return _r("vllm", g, Status.WARN, f"could not inspect the installed vLLM: {e}")
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith(_DETECT_MARK)), None)
+    if r.returncode != 0 or line is None:
+        last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+        return _r("vllm", g, Status.WARN, f"could not inspect the installed vLLM: {last}")
+    return vllm_results(json.loads(line[len(_DETECT_MARK):]))
+
+
+def vllm_results(data: Mapping[str, Any]) -> list[CheckResult]:
+    """Doctor lines from `kvcached.integration.vllm_patches.detect().to_dict()`."""
+    g = Group.ENGINE
+    enable = "export ENABLE_KVCACHED=true (kvcached's vLLM plugin applies its patches in every vLLM process)"
+    if data.get("error"):
+        return _r("vllm", g, Status.WARN, f"could not inspect the installed vLLM: {data['error']}")
+    enabled = data.get("enabled")
+    out = _r("vllm", g, Status.OK if enabled else Status.WARN,
+             f"vLLM {data.get('vllm_version') or '?'} installed; kvcached integration "
+             + ("enabled" if enabled else "not enabled in this environment"),
+             None if enabled else enable, detect=dict(data))
+    active = []
+    for name, value in _items(data.get("patches")):
+        on, detail = _flag(value, ("active", "applied", "enabled", "ok"))
+        applicable = value.get("applicable", True) if isinstance(value, Mapping) else True
+        if on:
+            active.append(name)
+            out += _r(f"vllm-patch:{name}", g, Status.OK, f"kvcached patch {name}: active" + (f" ({detail})" if detail else ""))
+        elif not applicable:
+            out += _r(f"vllm-patch:{name}", g, Status.SKIP, f"kvcached patch {name}: not applicable to this vLLM"
+                      + (f" ({detail})" if detail else ""))
+        else:
+            out += _r(f"vllm-patch:{name}", g, Status.WARN, f"kvcached patch {name}: inactive" + (f" ({detail})" if detail else ""),
+                      enable)
+    for name, value in _items(data.get("conditions")):
+        present, detail = _flag(value, ("present", "detected", "affected"))
+        text = f"vLLM {name}: " + {True: "present", False: "absent", None: "could not tell"}[present]
+        text += f" ({detail})" if detail else ""
+        if present is False:
+            out += _r(f"vllm:{name}", g, Status.OK, text)
+        elif present and active:
+            out += _r(f"vllm:{name}", g, Status.OK, text + "; kvcached's patches work around it")
+        else:
+            out += _r(f"vllm:{name}", g, Status.WARN, text + ("; no kvcached patch is active" if present else ""),
+                      enable + "; meanwhile: kvctl gc --yes")
+    return out
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("shm", Group.ENVIRONMENT, "/dev/shm present, on tmpfs, with free space and inodes", check_shm),
+    Check("tmp", Group.ENVIRONMENT, "/tmp sticky when world-writable", check_tmp),
+    Check("proc", Group.ENVIRONMENT, "/proc readable, hidepid", check_proc),
+    Check("privileges", Group.ENVIRONMENT, "who we run as and what we may clean", check_privileges),
+    Check("ipc-name", Group.CONFIGURATION, "KVCACHED_IPC_NAME sanitised vs. raw", check_ipc_name),
+    Check("socket-paths", Group.CONFIGURATION, "socket paths within 108 bytes", check_socket_paths),
+    Check("extension", Group.CONFIGURATION, "compiled extension loadable (in a subprocess)", check_extension),
+    Check("stale", Group.NODE, "stale, unknown and foreign entries (the scan gc uses)", check_stale),
+    Check("orphans", Group.NODE, "orphaned workers", check_orphans),
+    Check("namespaces", Group.NODE, "deployments in other mount namespaces", check_namespaces),
+    Check("vllm", Group.ENGINE, "installed vLLM: shutdown conditions and kvcached patches", check_vllm),
+)
+CHECK_NAMES = tuple(c.name for c in CHECKS)
+
+
+def select(names: list[str] | tuple[str, ...] = ()) -> list[Check]:
+    """Checks by name or group name; all when `names` is empty. Raise KeyError naming an unknown one."""
+    if not names:
+        return list(CHECKS)
+    out: list[Check] = []
+    for n in names:
+        hits = [c for c in CHECKS if n in (c.name, str(c.group))]
+        if not hits:
+            raise KeyError(n)
+        out += [c for c in hits if c not in out]
+    return out
+
+
+def run_checks(ctx: Context, checks: list[Check]) -> list[CheckResult]:
+    """Run checks in order; a check that raises becomes a `fail` result naming the error."""
+    out: list[CheckResult] = []
+    for check in checks:
+        try:
+            out += check.run(ctx)
+        except Exception as e:  # one broken check must not hide the others
+            out += _r(check.name, check.group, Status.FAIL, f"check failed: {type(e).__name__}: {e}")
+    return out
+
+
+def healthy(results: list[CheckResult], *, strict: bool = False) -> bool:
+    bad = {Status.FAIL, Status.WARN} if strict else {Status.FAIL}
+    return not any(r.status in bad for r in results)

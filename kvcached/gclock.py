@@ -1,0 +1,88 @@
+"""One garbage collection at a time per node (per `--root`): an exclusive `flock` on a lock file.
+
+Two concurrent runs would not corrupt anything (every removal is identity-checked
+and ENOENT is success), but they would report each other's removals as "already
+gone" and double-count metrics, and cron overlapping a slow run is a sign an
+operator wants to see. So the second run says who holds the lock and exits.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+from types import TracebackType
+
+from .errors import KvcachedError
+from .layout import Layout
+from .lease import read_proc_locks
+
+ENV_LOCK = "KVCTL_LOCK"
+LOCK_NAME = "kvctl-gc.lock"
+
+
+class LockBusy(KvcachedError):
+    """Another gc holds the node's lock."""
+
+    def __init__(self, path: str, pids: tuple[int, ...]) -> None:
+        who = f"PID {', '.join(map(str, pids))}" if pids else "another process"
+        super().__init__(f"another kvctl gc is running ({who} holds {path})")
+        self.path = path
+        self.pids = pids
+
+
+class LockUnavailable(KvcachedError):
+    """The lock file could not be opened (permissions, a link planted at its path)."""
+
+
+def lock_path(layout: Layout) -> str:
+    """`$KVCTL_LOCK`, else `<root>/run/lock/kvctl-gc.lock` when that directory exists, else `<root>/tmp/kvctl-gc.lock`."""
+    env = os.environ.get(ENV_LOCK)
+    if env:
+        return env
+    run_lock = os.path.join(layout.root, "run/lock")
+    if os.path.isdir(run_lock) and os.access(run_lock, os.W_OK):
+        return os.path.join(run_lock, LOCK_NAME)
+    return os.path.join(layout.tmp_dir, LOCK_NAME)
+
+
+class GcLock:
+    """`with GcLock(layout):` holds the node's gc lock or raises LockBusy at once (never waits)."""
+
+    def __init__(self, layout: Layout, path: str | None = None, proc_root: str = "/proc") -> None:
+        self.path = path or lock_path(layout)
+        self.proc_root = proc_root
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        try:
+            # O_NOFOLLOW: in a sticky world-writable /tmp another user could plant a link here.
+            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            why = "a symbolic link" if e.errno == errno.ELOOP else (e.strerror or str(e))
+            raise LockUnavailable(f"{self.path}: cannot open the gc lock ({why})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise LockUnavailable(f"{self.path}: the gc lock is not a regular file")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            st = os.fstat(fd)
+            os.close(fd)
+            holders = read_proc_locks(self.proc_root).get((st.st_dev, st.st_ino), [])
+            raise LockBusy(self.path, tuple(sorted({h.pid for h in holders if h.pid > 0}))) from None
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # the file stays: removing it would race a waiter that opened it
+            self._fd = None
+
+    def __enter__(self) -> "GcLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()

@@ -1,0 +1,99 @@
+"""Sizes and durations as operators type them, and back (`512M`, `1.5GiB`, `10m`, `2h`)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from .errors import KvcachedError
+
+
+class BadValue(KvcachedError, ValueError):
+    """A size, duration or percentage that does not parse or is out of range."""
+
+
+# Binary multiples throughout, like upstream kvctl and `free -h`: `2G` and `2GiB` are both 2 * 2**30.
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
+    "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+    "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
+    "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
+}
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_NUMBER = r"([0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)"
+_SIZE_RE = re.compile(rf"^{_NUMBER}\s*([A-Za-z]*)$")
+_DURATION_RE = re.compile(rf"^{_NUMBER}\s*([smhdSMHD]?)$")
+_INT64_MAX = (1 << 63) - 1
+
+
+def _number(text: str, what: str, raw: str) -> float:
+    if "__" in text or text.startswith("_") or text.endswith("_") or "_." in text or "._" in text:
+        raise BadValue(f"{what} {raw!r}: misplaced '_'")
+    return float(text.replace("_", ""))
+
+
+def parse_size(raw: str) -> int:
+    """Bytes from `512M`, `2G`, `1.5GiB`, `100_000` (binary units); raise BadValue on garbage or < 0."""
+    text = raw.strip()
+    if text.startswith("-"):
+        raise BadValue(f"size {raw!r}: must not be negative")
+    m = _SIZE_RE.match(text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise BadValue(f"size {raw!r}: expected a number with an optional unit K, M, G, T (or KiB, MiB, GiB, TiB)")
+    value = _number(m.group(1), "size", raw) * _SIZE_UNITS[m.group(2).lower()]
+    if not math.isfinite(value) or value > _INT64_MAX:
+        raise BadValue(f"size {raw!r}: too large for a segment (at most {_INT64_MAX} bytes)")
+    if value != int(value) and m.group(2).lower() in ("", "b"):
+        raise BadValue(f"size {raw!r}: a byte count must be whole")
+    return int(value)
+
+
+def parse_duration(raw: str) -> float:
+    """Seconds from `0`, `90`, `90s`, `10m`, `2h`, `1d`; raise BadValue on garbage or < 0."""
+    text = raw.strip()
+    if text.startswith("-"):
+        raise BadValue(f"duration {raw!r}: must not be negative")
+    m = _DURATION_RE.match(text)
+    if not m:
+        raise BadValue(f"duration {raw!r}: expected seconds or a number with s, m, h or d (e.g. 90s, 10m, 2h, 1d)")
+    value = _number(m.group(1), "duration", raw) * _DURATION_UNITS[m.group(2).lower()]
+    if not math.isfinite(value):
+        raise BadValue(f"duration {raw!r}: out of range")
+    return value
+
+
+def parse_percent(raw: str | float) -> float:
+    """A percentage in (0, 100]; accepts a trailing `%`."""
+    text = str(raw).strip().removesuffix("%").strip()
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadValue(f"percentage {raw!r}: not a number") from None
+    if not math.isfinite(value) or not 0 < value <= 100:
+        raise BadValue(f"percentage {raw!r}: must be greater than 0 and at most 100")
+    return value
+
+
+def format_size(n: int | None) -> str:
+    """`1.5G`, `512M`, `0`: short binary units for tables."""
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, mult in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= mult:
+            v = n / mult
+            return f"{sign}{v:.1f}{unit}".replace(".0" + unit, unit)
+    return f"{sign}{n}"
+
+
+def format_duration(seconds: float | None) -> str:
+    """`42s`, `3m`, `5h`, `2d`: coarse ages for tables."""
+    if seconds is None:
+        return "-"
+    s = max(0.0, seconds)
+    for unit, mult in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= mult:
+            return f"{int(s // mult)}{unit}"
+    return f"{int(s)}s"

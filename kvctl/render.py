@@ -1,0 +1,247 @@
+"""Output: one layout for both terminals and pipes; colour only on a terminal without NO_COLOR.
+
+Lines and tables are laid out here as plain text (so pipes, cron mail and
+tests see exactly what a terminal shows, minus colour); on a terminal the same
+cells are printed through rich with styles. Every string that came from the
+node (names, paths, command lines) goes through `safe`, so a file named with
+terminal escape sequences cannot drive the operator's terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import unicodedata
+from typing import IO, TYPE_CHECKING, Any, Sequence, Union
+
+if TYPE_CHECKING:
+    from kvcached.cleanup import Entry, Report
+    from kvcached.inspect import NodeView
+
+Cell = Union[str, tuple[str, str]]  # text, or (text, style)
+
+STATE_STYLE = {"live": "green", "stale": "red", "unknown": "yellow", "young": "cyan", "foreign": "magenta",
+               "ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim",
+               "removed": "red", "would_remove": "red", "kept": "dim", "failed": "bold red"}
+
+
+def safe(text: object) -> str:
+    """Neutralise control and format characters (ESC, CR, bidi overrides) and undecodable bytes as escapes."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    out = []
+    for ch in s:
+        o = ord(ch)
+        if 0xDC80 <= o <= 0xDCFF:  # surrogateescape'd byte from a non-UTF-8 file name
+            out.append(f"\\x{o - 0xDC00:02x}")
+        elif ch == " " or (unicodedata.category(ch) not in ("Cc", "Cf", "Cs", "Zl", "Zp", "Co", "Cn")):
+            out.append(ch)
+        elif o < 0x100:
+            out.append(f"\\x{o:02x}")
+        else:
+            out.append(f"\\u{o:04x}")
+    return "".join(out)
+
+
+def styled_default(stream: IO[str]) -> bool:
+    """Colour only on a terminal, and never with NO_COLOR set or TERM=dumb (https://no-color.org)."""
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def error_line(message: str) -> None:
+    """One line on stderr: `kvctl: <message>`."""
+    text = " ".join(safe(message).split("\\x0a"))
+    print(f"kvctl: {text}", file=sys.stderr, flush=True)
+
+
+def note(message: str) -> None:
+    """A message for the operator (stderr, so stdout stays data)."""
+    print(safe(message), file=sys.stderr, flush=True)
+
+
+def emit_json(obj: Any, stream: IO[str] | None = None) -> None:
+    """One JSON document on stdout (machine output)."""
+    import json
+
+    stream = stream or sys.stdout
+    stream.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    stream.flush()
+
+
+class Out:
+    """Text output to one stream; `styled` decides colour (through rich) or plain."""
+
+    def __init__(self, stream: IO[str] | None = None, styled: bool | None = None) -> None:
+        self.stream = stream or sys.stdout
+        self.styled = styled_default(self.stream) if styled is None else styled
+        self._console: Any = None
+
+    @property
+    def console(self) -> Any:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(file=self.stream, highlight=False, markup=False, emoji=False,
+                                    soft_wrap=True, force_terminal=self.styled or None,
+                                    no_color=not self.styled)
+        return self._console
+
+    def line(self, *cells: Cell, indent: int = 0) -> None:
+        parts = [(safe(c), "") if isinstance(c, str) else (safe(c[0]), c[1]) for c in cells]
+        self._write([(" " * indent, "")] + parts)
+
+    def blank(self) -> None:
+        self._write([])
+
+    def table(self, headers: Sequence[str], rows: Sequence[Sequence[Cell]], indent: int = 2) -> None:
+        cooked = [[(safe(c), "") if isinstance(c, str) else (safe(c[0]), c[1]) for c in row] for row in rows]
+        widths = [len(h) for h in headers]
+        for row in cooked:
+            for i, (text, _) in enumerate(row):
+                widths[i] = max(widths[i], len(text))
+        pad = " " * indent
+        self._write([(pad, ""), ("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(), "bold")])
+        for row in cooked:
+            segs: list[tuple[str, str]] = [(pad, "")]
+            for i, (text, style) in enumerate(row):
+                last = i == len(row) - 1
+                segs.append((text if last else text.ljust(widths[i]), style))
+                if not last:
+                    segs.append(("  ", ""))
+            self._write(segs)
+
+    def _write(self, segs: list[tuple[str, str]]) -> None:
+        if not self.styled:
+            self.stream.write("".join(t for t, _ in segs).rstrip() + "\n")
+            return
+        from rich.text import Text
+
+        text = Text()
+        for t, style in segs:
+            text.append(t, style=style or None)
+        self.console.print(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def state_cell(state: object) -> Cell:
+    s = str(state)
+    return (s, STATE_STYLE.get(s, ""))
+
+
+# shapes shared by several commands ------------------------------------------
+
+def pids(values: Any) -> str:
+    """`1,2,3,4,+5`: a short PID list for tables."""
+    items = list(values)
+    return ",".join(map(str, items[:4])) + (f",+{len(items) - 4}" if len(items) > 4 else "")
+
+
+def _entry_label(e: "Entry", base: str | None) -> str:
+    path = e.path
+    if base and path.startswith(base + "/"):
+        path = path[len(base) + 1:]
+    return path + ("/" if str(e.kind) == "directory" else "")
+
+
+def render_view(out: Out, view: "NodeView", *, now: float) -> None:
+    from kvcached.units import format_duration, format_size
+
+    if not view.deployments and not view.unowned:
+        out.line(f"No kvcached state under {view.layout.root}.")
+    for d in view.deployments:
+        orphan_note = f", {len(d.orphans)} orphaned" if d.orphans else ""
+        out.line(("Deployment ", "bold"), (d.name, "bold"), "  ", state_cell(d.state),
+                 f"  ({len(d.processes)} process{'es' if len(d.processes) != 1 else ''}{orphan_note})")
+        seg = d.segment_entry()
+        if seg is not None:
+            if d.segment:
+                nums = (f"limit {format_size(d.segment.total)}  used {format_size(d.segment.used)}  "
+                        f"prealloc {format_size(d.segment.prealloc)}")
+            else:
+                nums = d.segment_error or f"not read ({seg.state}: {seg.decision.reason})"
+            out.line(f"segment {seg.path}  {nums}  age {format_duration(now - seg.candidate.mtime)}  "
+                     f"uid {seg.candidate.uid}", indent=2)
+        sock_root = next((e for e in d.entries if str(e.kind) == "directory" and e.candidate.stage is None), None)
+        rows = []
+        for e in d.entries:
+            base = sock_root.path if sock_root is not None and e is not sock_root else None
+            rows.append([str(e.kind), _entry_label(e, base), state_cell(e.state), str(e.decision.reason),
+                         pids(d.pids_of(e)) or "-", e.decision.detail])
+        out.table(["KIND", "ENTRY", "STATE", "REASON", "PIDS", "DETAIL"], rows)
+        if d.processes:
+            prows = []
+            for p in d.processes:
+                rank = "-" if p.role.rank is None else f"TP{p.role.rank}" + ("" if p.role.stage is None else f" PP{p.role.stage}")
+                status: Cell = ("orphaned: " + p.orphan_reason, "bold yellow") if p.orphaned else "running"
+                prows.append([str(p.pid), str(p.role.role), p.role.title, rank, str(p.info.ppid), p.via, status])
+            out.table(["PID", "ROLE", "TITLE", "RANK", "PPID", "TIED BY", "STATUS"], prows)
+        else:
+            out.line("no processes of this deployment are alive", indent=2)
+        out.blank()
+    if view.unowned:
+        out.line(("Not part of any deployment", "bold"))
+        out.table(["KIND", "PATH", "STATE", "REASON", "DETAIL"],
+                  [[str(e.kind), e.path, state_cell(e.state), str(e.decision.reason), e.decision.detail]
+                   for e in view.unowned])
+        out.blank()
+    if view.orphans:
+        killable = {p.pid for _, p in view.killable_orphans()}
+        orphan_pids = ", ".join(str(p.pid) for _, p in view.orphans)
+        out.line(("hint: ", "yellow"), f"orphaned process(es) {orphan_pids}"
+                 + (": kvctl gc --kill-orphans terminates them" if killable else
+                    ": not killable by kvctl (engine alive or /proc incomplete)"))
+    for ns in view.namespaces:
+        names = f" ({', '.join(ns.names)})" if ns.names else ""
+        out.line(("note: ", "yellow"), f"kvcached processes in another mount namespace{names}: PIDs {pids(ns.pids)}; "
+                 f"their /tmp or /dev/shm is not this one: kvctl inspect --pid {ns.hint_pid}")
+    if view.incomplete:
+        out.line(("note: ", "yellow"), f"could not fully read PIDs {pids(view.incomplete)}: state they could own is kept as unknown")
+    for err in view.errors:
+        out.line(("error: ", "red"), err)
+    if view.deployments:
+        from collections import Counter
+
+        by_state = Counter(str(d.state) for d in view.deployments)
+        stale = sum(1 for d in view.deployments for e in d.entries if str(e.state) == "stale")
+        stale += sum(1 for e in view.unowned if str(e.state) == "stale")
+        line = f"{len(view.deployments)} deployment(s): " + ", ".join(
+            f"{n} {s}" for s, n in sorted(by_state.items()))
+        out.line(line + (f"; {stale} stale entr{'y' if stale == 1 else 'ies'}: kvctl gc --yes removes them"
+                         if stale else ""))
+
+
+def render_report(out: Out, report: "Report", *, verbose: bool) -> None:
+    from kvcached.cleanup import Action
+    from kvcached.decide import State
+
+    verbs = {Action.REMOVED: "Removed", Action.WOULD_REMOVE: "Would remove", Action.KEPT: "Kept",
+             Action.FAILED: "FAILED"}
+    rows = []
+    for e in report.entries:
+        if e.action is Action.KEPT and e.state is State.LIVE and not verbose:
+            continue
+        detail = e.decision.detail + (f"; {e.note}" if e.note else "")
+        rows.append([(verbs[e.action], STATE_STYLE.get(str(e.action), "")), str(e.kind), e.path,
+                     state_cell(e.state), str(e.decision.reason), detail])
+    if rows:
+        out.table(["ACTION", "KIND", "PATH", "STATE", "REASON", "DETAIL"], rows, indent=0)
+    s = report.summary()
+    acts, states = s["actions"], s["states"]
+    assert isinstance(acts, dict) and isinstance(states, dict)
+    kept_bits = ", ".join(f"{states[k]} {k}" for k in ("live", "unknown", "young", "foreign") if states[k])
+    verb = "would remove" if report.dry_run else "removed"
+    count = acts["would_remove"] if report.dry_run else acts["removed"]
+    line = f"gc: {verb} {count}, kept {acts['kept']}" + (f" ({kept_bits})" if kept_bits else "")
+    line += f", {acts['failed']} failed" if acts["failed"] else ""
+    line += "; time limit reached" if report.timed_out else ""
+    out.line(line + (f" [{s['seconds']}s]" if verbose else ""))
+    for err in report.errors:
+        out.line(("error: ", "red"), err)

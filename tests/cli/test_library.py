@@ -1,0 +1,112 @@
+"""The layer-1 operations behind kvctl, as pure tables: process roles, metrics text, the gc lock path."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvcached.cleanup import Report
+from kvcached.facts import ProcessInfo
+from kvcached.gclock import GcLock, LockBusy, lock_path
+from kvcached.inspect import Role, classify_process
+from kvcached.layout import Layout
+from kvcached.metrics import previous_value, render, write_textfile
+
+
+def proc(cmdline: tuple[str, ...], comm: str = "python3") -> ProcessInfo:
+    return ProcessInfo(1, 0.0, 0, 1, 0, comm, cmdline, None, frozenset(), frozenset(), None, None, frozenset())
+
+
+@pytest.mark.parametrize("cmdline, comm, role, rank, stage", [
+    (("VLLM::EngineCore",), "VLLM::EngineCor", Role.ENGINE, None, None),
+    (("VLLM::Worker_TP0_PP1",), "VLLM::Worker_TP", Role.WORKER, 0, 1),
+    (("VLLM::Worker_TP3",), "VLLM::Worker_TP", Role.WORKER, 3, None),
+    (("python",), "VLLM::Worker_TP", Role.WORKER, None, None),     # title only in comm (truncated)
+    (("VllmWorker-2",), "VllmWorker-2", Role.WORKER, 2, None),
+    (("/usr/bin/python3", "/usr/local/bin/vllm", "serve", "m"), "python3", Role.API, None, None),
+    (("vllm", "serve", "meta-llama/Llama-3"), "vllm", Role.API, None, None),
+    (("python", "-m", "vllm.entrypoints.openai.api_server"), "python", Role.API, None, None),
+    (("VLLM::APIServer",), "VLLM::APIServer", Role.API, None, None),
+    (("sglang::scheduler_TP1",), "sglang::schedul", Role.ENGINE, None, None),
+    (("python", "-m", "kvcached.harness", "--role", "worker", "--name", "x", "--rank", "1", "--stage", "2"),
+     "python", Role.WORKER, 1, 2),
+    (("python", "-m", "kvcached.harness", "--role", "engine", "--name", "x"), "python", Role.ENGINE, None, None),
+    (("python", "-m", "kvcached.harness", "--role", "api", "--name", "x"), "python", Role.API, None, None),
+    (("python", "train.py"), "python", Role.OTHER, None, None),
+    (("bash",), "bash", Role.OTHER, None, None),
+])
+def test_roles(cmdline, comm, role, rank, stage) -> None:
+    info = classify_process(proc(cmdline, comm))
+    assert (info.role, info.rank, info.stage) == (role, rank, stage)
+
+
+def test_metrics_text_and_atomic_write(tmp_path) -> None:
+    empty = Report(False, [], [], 1000.0, 1000.5)
+    text = render(empty, success=True)
+    assert 'kvctl_gc_entries{kind="segment",state="stale"} 0' in text
+    assert "kvctl_gc_last_success_timestamp_seconds 1000.5" in text
+    assert "# TYPE kvctl_gc_failures gauge" in text
+    path = str(tmp_path / "m.prom")
+    write_textfile(path, text)
+    assert previous_value(path, "kvctl_gc_last_success_timestamp_seconds") == 1000.5
+    failed = render(Report(False, [], [], 2000.0, 2000.0), success=False, last_success=1000.5)
+    assert "kvctl_gc_last_run_timestamp_seconds 2000" in failed
+    assert "kvctl_gc_last_success_timestamp_seconds 1000.5" in failed  # carried, not reset
+    assert os.listdir(tmp_path) == ["m.prom"]
+
+
+def test_gc_lock(layout, monkeypatch) -> None:
+    assert lock_path(layout) == os.path.join(layout.tmp_dir, "kvctl-gc.lock")
+    os.makedirs(os.path.join(layout.root, "run/lock"))
+    assert lock_path(layout) == os.path.join(layout.root, "run/lock/kvctl-gc.lock")
+    monkeypatch.setenv("KVCTL_LOCK", "/x/y.lock")
+    assert lock_path(Layout("/")) == "/x/y.lock"
+    monkeypatch.delenv("KVCTL_LOCK")
+    with GcLock(layout):
+        with pytest.raises(LockBusy) as e:
+            GcLock(layout).acquire()
+        assert e.value.pids == (os.getpid(),)
+    with GcLock(layout):
+        pass  # released on exit
+
+
+def test_a_planted_link_at_the_lock_path_is_refused(layout) -> None:
+    from .conftest import assert_one_line_error, kvctl
+
+    os.symlink("/etc/passwd", os.path.join(layout.tmp_dir, "kvctl-gc.lock"))
+    r = kvctl("--root", layout.root, "gc", "--yes")
+    assert_one_line_error(r, 1)
+    assert "symbolic link" in r.stderr
+
+
+def test_doctor_lines_from_the_vllm_integration_report() -> None:
+    from kvcached.diagnostics import Status, vllm_results
+
+    report = {  # the shape of kvcached.integration.vllm_patches.detect().to_dict()
+        "schema": "kvcached.vllm/1", "vllm_version": "0.33.0", "error": None, "enabled": False,
+        "conditions": {
+            "shutdown_timeout_zero": {"name": "shutdown_timeout_zero", "present": True, "detail": "default 0"},
+            "sigterm_reset_before_teardown": {"name": "sigterm_reset_before_teardown", "present": True, "detail": ""},
+            "lmcache_shutdown_not_forwarded": {"name": "lmcache_shutdown_not_forwarded", "present": None,
+                                               "detail": "cannot inspect"}},
+        "patches": {
+            "owner_cleanup": {"name": "owner_cleanup", "targets": ["x"], "applicable": True, "applied": False,
+                              "active": False, "detail": "shape found"},
+            "lmcache_shutdown": {"name": "lmcache_shutdown", "targets": ["y"], "applicable": False, "applied": False,
+                                 "active": False, "detail": "already forwards"}},
+    }
+    lines = {r.name: r for r in vllm_results(report)}
+    assert lines["vllm"].status is Status.WARN and "0.33.0" in lines["vllm"].summary
+    assert "ENABLE_KVCACHED=true" in (lines["vllm"].fix or "")
+    assert lines["vllm-patch:owner_cleanup"].status is Status.WARN
+    assert lines["vllm-patch:lmcache_shutdown"].status is Status.SKIP
+    assert lines["vllm:shutdown_timeout_zero"].status is Status.WARN
+    assert lines["vllm:lmcache_shutdown_not_forwarded"].status is Status.WARN
+    report["enabled"] = True
+    report["patches"]["owner_cleanup"]["active"] = True
+    lines = {r.name: r for r in vllm_results(report)}
+    assert lines["vllm"].status is Status.OK and lines["vllm-patch:owner_cleanup"].status is Status.OK
+    assert lines["vllm:shutdown_timeout_zero"].status is Status.OK
+    assert "work around" in lines["vllm:shutdown_timeout_zero"].summary
+    assert vllm_results({"error": "vLLM not importable"})[0].status is Status.WARN
