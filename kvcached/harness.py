@@ -213,6 +213,15 @@ def _run_engine(args: argparse.Namespace, layout: Layout) -> int:
         for _, _, p in workers:
             p.kill()
         return 1
+    if args.pool:
+        try:
+            from .runtime.pool import start_engine_pool
+        except ImportError:  # the extension is not built: the deployment runs without a pool
+            pass
+        else:
+            # Bound for the engine's life (this frame never returns): the pool's
+            # thread follows `kvctl limit` and keeps used/prealloc current.
+            pool = start_engine_pool(layout, args.name, args.tp, args.pp)  # noqa: F841
     print(READY + json.dumps({"workers": [{"stage": s, "rank": r, "pid": p.pid} for s, r, p in workers]}),
           flush=True)
 

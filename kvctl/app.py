@@ -666,7 +666,7 @@ def demo(
         out.line((f"[{step}] ", "bold cyan"), (text, "bold"))
 
     say(f"Starting deployment {name}: API server, engine, {tp * pp} workers (TP={tp}, PP={pp})")
-    dep = start_deployment(name, tp, pp, layout=layout, owner_cleanup=False)
+    dep = start_deployment(name, tp, pp, layout=layout, owner_cleanup=False, pool=True)
     try:
         answers = [ping(layout.socket_path(name, r, s))["pid"] for (s, r) in sorted(dep.worker_pids)]
         out.line(f"api PID {dep.api_pid}, engine PID {dep.engine_pid}, workers answering from PIDs "

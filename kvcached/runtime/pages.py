@@ -4,7 +4,10 @@ A `Pages` object is one reserved virtual range of ``num_pages`` pages of
 ``page_size`` bytes (default 2 MiB) on the CPU (memfd backend) or a CUDA
 device (driver VMM backend). Pages are mapped and unmapped by index; touching
 an unmapped page faults. CPU pages read as zeros each time they are mapped;
-CUDA pages are not zeroed.
+CUDA pages are not zeroed. Map and unmap are thread-safe (the extension
+releases the GIL and locks the range). A CPU range is MAP_SHARED over a memfd:
+a forked child shares its pages, so mapping or unmapping in the child would
+change the parent's memory: don't.
 
 torch is imported only by `as_tensor`.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvcached import _kvpages
 
@@ -40,8 +43,7 @@ def cuda_device_count() -> int:
 
 def cuda_unavailable_reason() -> str | None:
     """Why ``device="cuda"`` cannot work here, or None when it can."""
-    reason: str | None = _kvpages.cuda_unavailable_reason()
-    return reason
+    return _kvpages.cuda_unavailable_reason()
 
 
 def os_page_size() -> int:
@@ -59,7 +61,7 @@ class Pages:
         self._range = _kvpages.PageRange(num_pages, page_size, device=device)
 
     @property
-    def raw(self) -> Any:
+    def raw(self) -> _kvpages.PageRange:
         """The extension's PageRange (supports the buffer protocol on the CPU)."""
         return self._range
 
@@ -117,8 +119,7 @@ class Pages:
 
     def mapped_pages(self) -> list[int]:
         """The mapped page indices, ascending."""
-        pages: list[int] = self._range.mapped_pages()
-        return pages
+        return self._range.mapped_pages()
 
     def page_offset(self, index: int) -> int:
         """Byte offset of page `index` in the range (upstream's IPC offsets)."""
