@@ -154,8 +154,8 @@ def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
         return _d(State.LIVE, Reason.LEASE_HELD, "a process holds its lease or lock", pids)
     if c.kind is Kind.SOCKET:
         if c.seen_path in facts.listeners:
-            pids = facts.serving_pids(c.seen_path)
-            return _d(State.LIVE, Reason.LISTENING, "a listener is bound at this path", pids)
+            return _d(State.LIVE, Reason.LISTENING, "a listener is bound at this path",
+                      facts.serving_pids(c.seen_path))
         if c.probe in (Probe.ACCEPTS, Probe.BUSY):
             return _d(State.LIVE, Reason.ACCEPTS, f"accepts connections ({c.probe})")
     if c.kind is Kind.SEGMENT:

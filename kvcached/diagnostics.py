@@ -131,7 +131,7 @@ def check_shm(ctx: Context) -> list[CheckResult]:
     except OSError as e:
         return out + _r("shm-space", g, Status.WARN, f"statvfs {d}: {e.strerror}")
     free, inodes = vfs.f_bavail * vfs.f_frsize, vfs.f_favail
-    details = {"free_bytes": free, "free_inodes": inodes}
+    details: dict[str, Any] = {"free_bytes": free, "free_inodes": inodes}
     if free < 4096 or (vfs.f_files and inodes == 0):
         out += _r("shm-space", g, Status.FAIL, f"{d} is full ({free} bytes, {inodes} inodes free): new segments cannot be created",
                   "remove stale state: kvctl gc --yes", **details)

@@ -273,7 +273,7 @@ def _summary_state(entries: list[Entry], procs: list[ProcessView]) -> State:
 
 def _namespaces(layout: Layout, facts: Facts, roles: dict[int, RoleInfo]) -> list[Namespace]:
     """Mount namespaces with kvcached-like processes whose /tmp or /dev/shm is not the one we scanned."""
-    mine = {}
+    mine: dict[str, tuple[int, int] | None] = {}
     for d in (layout.tmp_dir, layout.shm_dir):
         try:
             st = os.stat(d)

@@ -13,7 +13,7 @@ import socket
 import stat
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Iterable
+from typing import Any, Iterable
 
 from . import naming
 from .facts import Facts
@@ -150,7 +150,7 @@ def _scan_socket_dir(layout: Layout, parent_fd: int, parent_st: os.stat_result, 
                      obs: _Observer, inherited: bool = False) -> Candidate:
     st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
     lease = obs.dir_lease((st.st_dev, st.st_ino), inherited) if stat.S_ISDIR(st.st_mode) else None
-    common = dict(deployment=deployment, hash_ok=hash_ok, stage=stage, handle=file_handle(name, parent_fd),
+    common: dict[str, Any] = dict(deployment=deployment, hash_ok=hash_ok, stage=stage, handle=file_handle(name, parent_fd),
                   parent_uid=parent_st.st_uid if stage is not None else None,
                   cross_mount=st.st_dev != parent_st.st_dev, lease=lease)
     if not stat.S_ISDIR(st.st_mode) or st.st_dev != parent_st.st_dev or not hash_ok:

@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Annotated, Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, List, Optional, Sequence
 
 import typer
 from typer.core import TyperGroup
@@ -43,8 +43,8 @@ G = Globals()
 class KvctlGroup(TyperGroup):
     """Runs every command through the one exception → exit code mapping (also under CliRunner)."""
 
-    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
-             standalone_mode: bool = True, **extra: Any) -> Any:
+    def main(self, args: Any = None, prog_name: str | None = None,  # type: ignore[override]
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
         global G
         G = Globals()
         if os.environ.get(complete_var or "_KVCTL_COMPLETE"):
@@ -172,7 +172,7 @@ def _layout() -> "Layout":
 
 
 def _plan(layout: "Layout", names: List[str] | None, grace: float | None = None,
-          kinds: List[KindChoice] | None = None, extra: List[str] = ()) -> "Plan":
+          kinds: List[KindChoice] | None = None, extra: Sequence[str] = ()) -> "Plan":
     from kvcached.cleanup import plan
     from kvcached.decide import DEFAULT_GRACE, Policy
     from kvcached.scan import Kind
@@ -202,7 +202,7 @@ def list_cmd(
     from kvcached.units import format_duration, format_size
 
     view = build_view(_plan(_layout(), names), namespaces=False)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for d in view.deployments:
         seg = d.segment_entry()
         if seg is None:
@@ -782,7 +782,9 @@ def main() -> None:
 
 def kvtop_main() -> None:
     """The `kvtop` entry point: `kvctl [--root DIR] [-v] top [-n SEC] [--count N]`."""
-    argv, globals_, rest = sys.argv[1:], [], []
+    argv = sys.argv[1:]
+    globals_: list[str] = []
+    rest: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]

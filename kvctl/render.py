@@ -224,7 +224,7 @@ def render_report(out: Out, report: "Report", *, verbose: bool) -> None:
 
     verbs = {Action.REMOVED: "Removed", Action.WOULD_REMOVE: "Would remove", Action.KEPT: "Kept",
              Action.FAILED: "FAILED"}
-    rows = []
+    rows: list[list[Any]] = []
     for e in report.entries:
         if e.action is Action.KEPT and e.state is State.LIVE and not verbose:
             continue
