@@ -1,0 +1,28 @@
+"""Engine integrations (vLLM first). Runtime layer: loaded only inside engine processes.
+
+Importing this package imports no engine: `vllm_plugin.register` is what vLLM
+calls, and `vllm_patches.detect()` imports vLLM only when it is called.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from ..layout import Layout
+
+ENV_ROOT = "KVCACHED_ROOT"
+
+
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """True when kvcached is switched on: upstream's `ENABLE_KVCACHED=true` or our `KVCACHED_ENABLE=1`."""
+    env = os.environ if environ is None else environ
+    upstream = env.get("ENABLE_KVCACHED", "").strip().lower() in ("true", "1", "yes", "on")
+    ours = env.get("KVCACHED_ENABLE", "").strip().lower() in ("1", "true", "yes", "on")
+    return upstream or ours
+
+
+def layout_from_env(environ: Mapping[str, str] | None = None) -> Layout:
+    """The node layout engine processes use: `/`, or `KVCACHED_ROOT` (tests, chroots)."""
+    env = os.environ if environ is None else environ
+    return Layout(root=env.get(ENV_ROOT) or "/")

@@ -1,0 +1,58 @@
+"""Fixtures for the vLLM integration tests: patch state, stand-in deployments, and their reaping."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+VLLM_SKIP = "vLLM 0.33 is not installed here (run scripts/install-vllm.sh in this venv)"
+
+
+@pytest.fixture
+def vllm_env(layout, uniq, monkeypatch) -> Iterator[str]:
+    """Engine-process environment on the test's private root: KVCACHED_ROOT and an explicit IPC name."""
+    monkeypatch.setenv("KVCACHED_ROOT", layout.root)
+    monkeypatch.setenv("KVCACHED_IPC_NAME", uniq)
+    monkeypatch.delenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", raising=False)
+    yield uniq
+    # Reap every stand-in the test left: pids the stand-ins published under the root.
+    for path in glob.glob(os.path.join(layout.root, "pid-*")):
+        if path.endswith(".tmp") or path.endswith("pid-ready"):
+            continue
+        try:
+            with open(path) as f:
+                pid = int(f.read())
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+@pytest.fixture
+def patched(request) -> Iterator[bool]:
+    """Whether this case runs on patched vLLM (param True) or as installed (False); reverted after."""
+    from kvcached.integration import vllm_patches
+
+    on = bool(getattr(request, "param", True))
+    vllm_patches.revert()
+    if on:
+        applied = vllm_patches.apply()
+        assert all(applied.values()), applied
+    yield on
+    vllm_patches.revert()
+
+
+@pytest.fixture(autouse=True)
+def _restore_sigterm() -> Iterator[None]:
+    """An owner captured in this process may install its SIGTERM handler; pytest's own comes back after."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    from kvcached.integration import engine_owner as owner
+
+    signal.signal(signal.SIGTERM, before)
+    owner._sigterm_installed = False
+    owner._sigterm_owners.clear()

@@ -1,0 +1,164 @@
+"""Stand-ins for vLLM's EngineCore and TP workers: real processes, real sockets, real signals.
+
+`engine_main` replaces `EngineCoreProc.run_engine_core` as the target that the
+real `CoreEngineProcManager.__init__` forks. Like EngineCore with kvcached, it
+creates the deployment's segment (holding its lease), forks TP × PP workers
+that serve `[pp<k>/]w<r>.sock` through kvcached's WorkerListener, and answers
+vLLM's real start-up handshake (HELLO, then READY) on the handshake address
+the manager gave it. Like upstream workers under vLLM 0.33, the workers do
+not get to clean up: they die by signal and leave their nodes.
+
+What each test wants differently comes through `SPEC`, a module global set
+before the manager forks (a forked child sees the parent's globals).
+No vLLM import here: children stay cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcached.ipc.listener import WorkerListener
+from kvcached.layout import Layout
+from kvcached.lease import SegmentLease
+from kvcached.segment import create_segment
+
+
+@dataclass
+class Spec:
+    root: str
+    name: str
+    tp: int = 2
+    pp: int = 1
+    # engine on SIGTERM: "ignore" (slow teardown: vLLM's SIGKILL lands first) or "exit"
+    engine_term: str = "ignore"
+    # (stage, rank) of workers that escape the engine's process tree (a worker outliving
+    # its engine): vLLM's kill_process_tree does not reach them.
+    detached: tuple[tuple[int, int], ...] = ()
+    # (stage, rank) of workers that bind only after READY
+    late: tuple[tuple[int, int], ...] = ()
+    segment: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.root)
+
+    def pid_file(self, what: str) -> str:
+        return os.path.join(self.root, f"pid-{what}")
+
+
+SPEC: Spec | None = None
+
+
+def _write_pid(spec: Spec, what: str, pid: int | None = None) -> None:
+    tmp = spec.pid_file(what) + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(str(pid or os.getpid()))
+    os.rename(tmp, spec.pid_file(what))
+
+
+def read_pid(spec: Spec, what: str, timeout: float = 20.0) -> int:
+    """The pid a stand-in published as `what`, waiting for it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(spec.pid_file(what)) as f:
+                return int(f.read())
+        except (FileNotFoundError, ValueError):
+            time.sleep(0.02)
+    raise TimeoutError(f"stand-in {what} did not start")
+
+
+def wait_for(pred: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return bool(pred())
+
+
+def _worker(spec: Spec, stage: int, rank: int, detached: bool) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if detached:
+        # Double fork: the worker's parent exits, so it leaves the engine's tree.
+        if os.fork() != 0:
+            os._exit(0)
+    if (stage, rank) in spec.late:
+        while not os.path.exists(spec.pid_file("ready")):
+            time.sleep(0.02)
+    WorkerListener(spec.layout, spec.name, rank, stage).start()
+    _write_pid(spec, f"w{stage}-{rank}")
+    while True:
+        signal.pause()
+
+
+def engine_main(*_args: Any, **kwargs: Any) -> None:
+    """Target of the forked engine process (in place of EngineCoreProc.run_engine_core)."""
+    spec = SPEC
+    assert spec is not None
+    try:
+        if spec.engine_term == "exit":
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for stage in range(spec.pp):
+            for rank in range(spec.tp):
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        _worker(spec, stage, rank, (stage, rank) in spec.detached)
+                    finally:
+                        os._exit(0)
+        # As in vLLM, the executor forks the workers before the KV cache (and so
+        # the segment) exists: the workers never inherit the segment's lease.
+        lease = None
+        if spec.segment:
+            path = spec.layout.segment_path(spec.name)
+            create_segment(path, 1 << 30, exist_ok=True)
+            lease = SegmentLease(path)
+            lease.acquire()
+        for stage in range(spec.pp):
+            for rank in range(spec.tp):
+                if (stage, rank) not in spec.late:
+                    read_pid(spec, f"w{stage}-{rank}")
+        if kwargs.get("handshake_address"):
+            _handshake(kwargs["handshake_address"], int(kwargs.get("dp_rank", 0)))
+        _write_pid(spec, "engine")
+        del lease  # held by the open fd until this process dies
+        while True:
+            signal.pause()
+    finally:
+        os._exit(1)
+
+
+def _handshake(address: str, index: int) -> None:
+    # vLLM's engine side of wait_for_engine_startup: HELLO, receive the init
+    # message, then READY, on a DEALER whose identity is the engine index.
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, index.to_bytes(2, "little"))
+    sock.connect(address)
+    hello = {"status": "HELLO", "local": True, "headless": False}
+    sock.send(msgspec.msgpack.encode(hello))
+    sock.recv()
+    sock.send(msgspec.msgpack.encode({**hello, "status": "READY"}))
+    time.sleep(0.1)  # let the frame leave before the socket closes
+    sock.close(linger=1000)
+    ctx.term()
+
+
+def dead_node(path: str) -> None:
+    """Leave a socket node at `path` that nobody serves (bound, then closed)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    s.close()

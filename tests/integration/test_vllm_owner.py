@@ -1,0 +1,364 @@
+"""Owner-side cleanup through the real, patched vLLM 0.33 classes, with stand-in engines and workers.
+
+The real `CoreEngineProcManager.__init__` forks the engine (our stand-in in
+place of `EngineCoreProc.run_engine_core`), the real `wait_for_engine_startup`
+sees it answer READY over vLLM's handshake, and the real `MPClient.shutdown`
+/ `CoreEngineProcManager.shutdown(0)` SIGTERM and SIGKILL it as vLLM does.
+Cases whose outcome differs with the patch run twice, patched and unpatched,
+to show that each fails on vLLM as installed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import weakref
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM 0.33 is not installed here (run scripts/install-vllm.sh in this venv)")
+pytestmark = pytest.mark.vllm
+
+import zmq  # noqa: E402  (a vLLM dependency)
+from vllm.config import CacheConfig, ParallelConfig  # noqa: E402
+from vllm.v1.engine import utils as vutils  # noqa: E402
+from vllm.v1.engine.core import EngineCoreProc  # noqa: E402
+from vllm.v1.engine.core_client import BackgroundResources, MPClient  # noqa: E402
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor  # noqa: E402
+
+from kvcached.integration import engine_owner as owner_mod  # noqa: E402
+from kvcached.integration.vllm_patches import OWNER_ATTR  # noqa: E402
+from kvcached.ipc.listener import WorkerListener  # noqa: E402
+from kvcached.layout import Layout  # noqa: E402
+
+from . import standins  # noqa: E402
+from .standins import Spec, dead_node, read_pid, wait_for  # noqa: E402
+
+both = pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"], indirect=True)
+
+
+class Serve:
+    """One stand-in serve: a real CoreEngineProcManager whose engine answered READY."""
+
+    def __init__(self, spec: Spec, *, handshake: bool = True, local_client: bool = True,
+                 parallel: Any = None) -> None:
+        self.spec = spec
+        standins.SPEC = spec
+        cfg = SimpleNamespace(shutdown_timeout=0,
+                              parallel_config=parallel if parallel is not None else
+                              ParallelConfig(tensor_parallel_size=spec.tp, pipeline_parallel_size=spec.pp))
+        self.ctx = zmq.Context()
+        address = f"ipc://{spec.root}/handshake"
+        self.handshake = self.ctx.socket(zmq.ROUTER)
+        self.handshake.bind(address)
+        self.manager = vutils.CoreEngineProcManager(
+            local_engine_count=1, start_index=0, local_start_index=0, vllm_config=cfg,
+            local_client=local_client, handshake_address=address if handshake else "",
+            executor_class=MultiprocExecutor, log_stats=False)
+        if handshake:
+            launch = vutils.CoreEngineLaunch(self.manager, None, vutils.EngineZmqAddresses(["ipc://in"], ["ipc://out"]),
+                                             None)
+            vutils.wait_for_engine_startup(self.handshake, [vutils.CoreEngine(0, True)], cfg.parallel_config, False,
+                                           CacheConfig(), launch)
+        with open(spec.pid_file("ready"), "w"):
+            pass
+        self.engine = read_pid(spec, "engine")
+        self.workers = {(s, r): read_pid(spec, f"w{s}-{r}") for s in range(spec.pp) for r in range(spec.tp)}
+
+    def client(self, *, owns: bool = True) -> MPClient:
+        """An MPClient as the API server has it: owning the engine manager, or a frontend owning none."""
+        client = object.__new__(MPClient)
+        client.resources = BackgroundResources(ctx=zmq.Context())
+        client.resources.engine_manager = self.manager if owns else None
+        client._finalizer = weakref.finalize(client, client.resources)
+        return client
+
+    def group_sigterm(self) -> None:
+        """What a process-group SIGTERM does to everyone but the owner (this test process)."""
+        for pid in (self.engine, *self.workers.values()):
+            _kill(pid, signal.SIGTERM)
+
+    def close(self) -> None:
+        self.handshake.close(linger=0)
+        self.ctx.term()
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _gone(pid: int) -> bool:
+    """Dead with every thread: a zombie leader's other threads may still hold its fds (and sockets)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return False
+        except OSError:
+            continue
+    return True
+
+
+@pytest.fixture
+def serve(vllm_env, layout, monkeypatch, patched) -> Any:
+    monkeypatch.setattr(EngineCoreProc, "run_engine_core", staticmethod(standins.engine_main))
+    monkeypatch.setattr(owner_mod, "EXIT_WAIT_S", 2.0)
+    monkeypatch.setattr(owner_mod, "RETRY_INTERVAL_S", 0.05)
+    made: list[Serve] = []
+
+    def make(**kw: Any) -> Serve:
+        opts = {k: kw.pop(k) for k in ("handshake", "local_client", "parallel") if k in kw}
+        s = Serve(Spec(layout.root, vllm_env, **kw), **opts)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        _kill(s.engine, signal.SIGKILL)
+        for pid in s.workers.values():
+            _kill(pid, signal.SIGCONT)
+            _kill(pid, signal.SIGKILL)
+        s.manager.shutdown(timeout=0)
+        s.close()
+
+
+def _state(layout: Layout, name: str, tp: int, pp: int = 1) -> dict[str, bool]:
+    out = {"segment": os.path.exists(layout.segment_path(name)), "dir": os.path.exists(layout.socket_dir(name))}
+    for stage, rank, path in layout.socket_paths(name, tp, pp):
+        out[f"pp{stage}/w{rank}"] = os.path.lexists(path)
+    return out
+
+
+# The process-group SIGTERM shape ------------------------------------------------
+
+
+@both
+@pytest.mark.parametrize("owner", ["mpclient", "supervisor", "headless"])
+def test_group_sigterm_leaves_nothing(serve, layout, vllm_env, patched, owner) -> None:
+    """Engines SIGKILLed by vLLM's shutdown(0), nodes unserved: patched, no directory and no segment remain."""
+    s = serve(tp=2, pp=2, handshake=owner != "headless", local_client=owner != "headless")
+    assert all(_state(layout, vllm_env, 2, 2).values())
+    s.group_sigterm()
+    if owner == "mpclient":
+        s.client().shutdown(timeout=0)
+    else:
+        s.manager.shutdown(timeout=0)  # run_multi_api_server / run_headless call this
+    assert wait_for(lambda: _gone(s.engine))
+    state = _state(layout, vllm_env, 2, 2)
+    if patched:
+        assert not any(state.values()), state
+    else:
+        assert all(state.values()), state  # vLLM as installed leaks every piece
+
+
+@both
+def test_delayed_and_stopped_workers_keep_sockets_until_exit(serve, layout, vllm_env, patched) -> None:
+    """A worker that outlives its engine (slow, or stopped) keeps its node; once it exits, a retry removes it."""
+    s = serve(tp=3, detached=((0, 1), (0, 2)))
+    slow, stopped = s.workers[(0, 1)], s.workers[(0, 2)]
+    _kill(stopped, signal.SIGSTOP)
+    s.client().shutdown(timeout=0)
+    assert wait_for(lambda: _gone(s.engine))
+    state = _state(layout, vllm_env, 3)
+    assert state["pp0/w1"] and state["pp0/w2"] and state["dir"], state
+    assert state["pp0/w0"] is (not patched) and state["segment"] is (not patched), state
+    time.sleep(0.3)  # retries meanwhile keep what is still served, even by a stopped process
+    assert _state(layout, vllm_env, 3)["pp0/w2"]
+    _kill(slow, signal.SIGKILL)
+    _kill(stopped, signal.SIGKILL)
+    assert wait_for(lambda: _gone(slow) and _gone(stopped))
+    if patched:
+        assert wait_for(lambda: not any(_state(layout, vllm_env, 3).values()), timeout=10), _state(layout, vllm_env, 3)
+    else:
+        time.sleep(0.3)
+        assert all(_state(layout, vllm_env, 3).values())
+
+
+def test_retry_on_repeated_shutdown(serve, layout, vllm_env, patched, monkeypatch) -> None:
+    """Without the background retry, the next owner shutdown call is the retry."""
+    monkeypatch.setattr(owner_mod.EngineOwner, "_start_retry", lambda self: None)
+    s = serve(tp=2, detached=((0, 1),))
+    client = s.client()
+    client.shutdown(timeout=0)
+    assert _state(layout, vllm_env, 2)["pp0/w1"]
+    _kill(s.workers[(0, 1)], signal.SIGKILL)
+    assert wait_for(lambda: _gone(s.workers[(0, 1)]))
+    s.manager.shutdown(timeout=0)  # e.g. BackgroundResources, or the supervisor's finally
+    assert not any(_state(layout, vllm_env, 2).values()), getattr(s.manager, OWNER_ATTR).results
+
+
+# What is never ours ------------------------------------------------------------------
+
+
+def test_same_name_replacements_stay(serve, layout, vllm_env, patched) -> None:
+    """Nodes and a segment re-created under our names after READY are a successor's: kept, live or dead."""
+    s = serve(tp=2)
+    for pid in s.workers.values():
+        _kill(pid, signal.SIGKILL)
+    assert wait_for(lambda: all(_gone(p) for p in s.workers.values()))
+    w0, w1 = layout.socket_path(vllm_env, 0), layout.socket_path(vllm_env, 1)
+    os.unlink(w0)
+    dead_node(w0)
+    os.unlink(w1)
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(w1)
+    live.listen(1)
+    seg = layout.segment_path(vllm_env)
+    os.unlink(seg)
+    with open(seg, "wb") as f:
+        f.write(bytes(24))
+    try:
+        s.client().shutdown(timeout=0)
+        assert wait_for(lambda: _gone(s.engine))
+        assert all(_state(layout, vllm_env, 2).values()), _state(layout, vllm_env, 2)
+    finally:
+        live.close()
+
+
+def test_unconfirmed_engine_exit_keeps_everything(serve, layout, vllm_env, patched, monkeypatch) -> None:
+    """While an engine has no confirmed exit code, nothing is removed; once it has, the retry cleans up."""
+    monkeypatch.setattr(owner_mod, "EXIT_WAIT_S", 0.2)
+    s = serve(tp=2)
+    for pid in s.workers.values():
+        _kill(pid, signal.SIGKILL)  # every node is unserved: only the engine gate holds
+    s.manager._finalizer.detach()  # vLLM's own shutdown already ran (or failed) and left the engine alive
+    s.client().shutdown(timeout=0)
+    time.sleep(0.5)
+    assert not _gone(s.engine)
+    assert all(_state(layout, vllm_env, 2).values()), _state(layout, vllm_env, 2)
+    _kill(s.engine, signal.SIGKILL)
+    assert wait_for(lambda: not any(_state(layout, vllm_env, 2).values()), timeout=10), _state(layout, vllm_env, 2)
+
+
+@both
+def test_nodes_absent_at_ready_are_never_claimed(serve, layout, vllm_env, patched) -> None:
+    """A node bound after READY was not captured: kept even when unserved."""
+    s = serve(tp=2, late=((0, 1),))
+    s.group_sigterm()
+    s.client().shutdown(timeout=0)
+    assert wait_for(lambda: _gone(s.engine))
+    state = _state(layout, vllm_env, 2)
+    assert state["pp0/w1"] and state["dir"], state
+    assert state["pp0/w0"] is (not patched) and state["segment"] is (not patched), state
+
+
+def test_non_owning_frontend_touches_nothing(vllm_env, layout, patched) -> None:
+    """An MPClient without an engine manager (extra API servers) removes nothing, even stale state of its name."""
+    os.makedirs(layout.socket_dir(vllm_env), mode=0o700)
+    dead_node(layout.socket_path(vllm_env, 0))
+    with open(layout.segment_path(vllm_env), "wb") as f:
+        f.write(bytes(24))
+    client = object.__new__(MPClient)
+    client.resources = BackgroundResources(ctx=zmq.Context())
+    client._finalizer = weakref.finalize(client, client.resources)
+    client.shutdown(timeout=0)
+    assert all(_state(layout, vllm_env, 1).values())
+
+
+def test_owner_without_parallel_config_touches_nothing(serve, layout, vllm_env, patched) -> None:
+    """A manager built without a parallel config we understand gets no owner duty and removes nothing."""
+    parallel = SimpleNamespace(data_parallel_size=1, assigned_physical_gpu_ids=None, numa_bind=False)
+    s = serve(tp=2, handshake=False, parallel=parallel)
+    assert OWNER_ATTR not in s.manager.__dict__
+    s.group_sigterm()
+    s.manager.shutdown(timeout=0)
+    assert wait_for(lambda: _gone(s.engine))
+    assert all(_state(layout, vllm_env, 2).values())
+
+
+def test_repeated_shutdowns_keep_a_successors_directory(serve, layout, vllm_env, patched) -> None:
+    """After the first cleanup, later owner shutdown calls leave a same-name successor's directory alone."""
+    s = serve(tp=2)
+    s.group_sigterm()
+    client = s.client()
+    client.shutdown(timeout=0)
+    assert not any(_state(layout, vllm_env, 2).values()), getattr(s.manager, OWNER_ATTR).results
+    successor = WorkerListener(layout, vllm_env, 0).start()
+    try:
+        os.makedirs(layout.stage_dir(vllm_env, 1), mode=0o700)  # an empty one too
+        client.shutdown(timeout=0)
+        s.manager.shutdown(timeout=0)
+        s.manager.shutdown()
+        assert os.path.isdir(layout.stage_dir(vllm_env, 1))
+        assert os.path.exists(successor.path)
+    finally:
+        successor.stop()
+
+
+# The owner's own SIGTERM -------------------------------------------------------------
+
+_OWNER_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from types import SimpleNamespace
+    sys.path.insert(0, {repo!r})
+    from tests.integration import standins
+    from tests.integration.standins import Spec, read_pid
+    from vllm.config import CacheConfig, ParallelConfig
+    from vllm.v1.engine import utils as vutils
+    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    import zmq
+    if {patched!r}:
+        from kvcached.integration import vllm_plugin
+        vllm_plugin.register()
+    EngineCoreProc.run_engine_core = staticmethod(standins.engine_main)
+    spec = standins.SPEC = Spec({root!r}, {name!r}, tp=2, engine_term="exit")
+    cfg = SimpleNamespace(shutdown_timeout=0, parallel_config=ParallelConfig(tensor_parallel_size=2))
+    ctx = zmq.Context()
+    hs = ctx.socket(zmq.ROUTER)
+    hs.bind("ipc://" + spec.root + "/handshake")
+    m = vutils.CoreEngineProcManager(local_engine_count=1, start_index=0, local_start_index=0, vllm_config=cfg,
+                                     local_client=True, handshake_address="ipc://" + spec.root + "/handshake",
+                                     executor_class=MultiprocExecutor, log_stats=False)
+    launch = vutils.CoreEngineLaunch(m, None, vutils.EngineZmqAddresses(["ipc://in"], ["ipc://out"]), None)
+    vutils.wait_for_engine_startup(hs, [vutils.CoreEngine(0, True)], cfg.parallel_config, False, CacheConfig(),
+                                   launch)
+    print("OWNER-READY", flush=True)
+    while True:
+        signal.pause()
+""")
+
+
+@both
+def test_owner_dies_by_sigterm_after_gated_cleanup(vllm_env, layout, patched, monkeypatch) -> None:
+    """An owner with the default SIGTERM disposition cleans up on the way out, then dies by SIGTERM."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = _OWNER_SCRIPT.format(repo=repo, patched=patched, root=layout.root, name=vllm_env)
+    env = {**os.environ, "KVCACHED_ENABLE": "1", "PYTHONPATH": repo}
+    owner = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        assert owner.stdout is not None
+        line = owner.stdout.readline()
+        assert "OWNER-READY" in line, f"owner did not start (exit {owner.poll()})"
+        spec = Spec(layout.root, vllm_env, tp=2)
+        workers = [read_pid(spec, f"w0-{r}") for r in range(2)]
+        assert all(_state(layout, vllm_env, 2).values())
+        os.killpg(owner.pid, signal.SIGTERM)  # the whole serve: owner, engine, workers
+        assert owner.wait(30) == -signal.SIGTERM
+        assert wait_for(lambda: all(_gone(p) for p in workers))
+        state = _state(layout, vllm_env, 2)
+        if patched:
+            assert not any(state.values()), state
+        else:
+            assert all(state.values()), state
+    finally:
+        try:
+            os.killpg(owner.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        owner.wait(10)

@@ -1,0 +1,184 @@
+"""The vLLM general plugin: its switch, idempotency, never raising, feature detection and the doctor's report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+from kvcached.integration import enabled
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("env, on", [
+    ({}, False),
+    ({"ENABLE_KVCACHED": "true"}, True),
+    ({"ENABLE_KVCACHED": "True"}, True),
+    ({"ENABLE_KVCACHED": "false"}, False),
+    ({"KVCACHED_ENABLE": "1"}, True),
+    ({"KVCACHED_ENABLE": "0"}, False),
+    ({"ENABLE_KVCACHED": "false", "KVCACHED_ENABLE": "1"}, True),
+])
+def test_switch(env: dict[str, str], on: bool) -> None:
+    assert enabled(env) is on
+
+
+def test_importing_the_integration_imports_no_vllm() -> None:
+    """kvctl imports the integration to call detect(): only the call may import vLLM."""
+    code = ("import sys, kvcached.integration.vllm_patches, kvcached.integration.vllm_plugin, "
+            "kvcached.integration.engine_owner\n"
+            "bad = [m for m in ('vllm', 'torch') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+
+
+def test_entry_point_is_declared() -> None:
+    try:
+        eps = metadata.entry_points(group="vllm.general_plugins")
+    except Exception as e:  # pragma: no cover - very old importlib.metadata
+        pytest.skip(f"entry points unreadable: {e}")
+    ours = [ep for ep in eps if ep.name == "kvcached"]
+    if not ours:
+        pytest.skip("kvcached is not installed into this environment (pip install -e .), so no entry point")
+    assert ours[0].value == "kvcached.integration.vllm_plugin:register"
+
+
+# With vLLM ------------------------------------------------------------------------------
+
+_skip_without_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM 0.33 is not installed here (run scripts/install-vllm.sh in this venv)")
+
+
+def needs_vllm(fn):
+    return pytest.mark.vllm(_skip_without_vllm(fn))
+
+
+@pytest.fixture
+def clean_patches(monkeypatch):
+    from kvcached.integration import vllm_patches, vllm_plugin
+
+    vllm_patches.revert()
+    monkeypatch.setattr(vllm_patches, "_warned", set())
+    monkeypatch.setattr(vllm_plugin, "_done", False)
+    monkeypatch.delenv("ENABLE_KVCACHED", raising=False)
+    monkeypatch.delenv("KVCACHED_ENABLE", raising=False)
+    yield vllm_patches
+    vllm_patches.revert()
+
+
+@needs_vllm
+def test_disabled_plugin_does_nothing(clean_patches) -> None:
+    from kvcached.integration import vllm_plugin
+
+    vllm_plugin.register()
+    assert clean_patches.applied() == ()
+
+
+@needs_vllm
+def test_vllm_loads_the_plugin_once_per_process(clean_patches, monkeypatch) -> None:
+    """vLLM's own load_general_plugins() finds and runs it; calling it again wraps nothing twice."""
+    import vllm.plugins
+    from vllm.v1.engine import utils as vutils
+
+    if not any(ep.name == "kvcached" for ep in metadata.entry_points(group="vllm.general_plugins")):
+        pytest.skip("kvcached is not installed into this environment (pip install -e .), so vLLM cannot find it")
+    monkeypatch.setenv("ENABLE_KVCACHED", "true")
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    vllm.plugins.load_general_plugins()
+    assert clean_patches.applied() == ("lmcache-shutdown", "owner-cleanup", "worker-listener")
+    wrapper = vutils.CoreEngineProcManager.shutdown
+    from kvcached.integration import vllm_plugin
+
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    vllm.plugins.load_general_plugins()
+    vllm_plugin.register()
+    clean_patches.apply()
+    assert vutils.CoreEngineProcManager.shutdown is wrapper
+    assert not hasattr(getattr(wrapper, "__kvcached_original__"), "__kvcached_original__")
+
+
+@needs_vllm
+def test_plugin_never_raises_into_vllm(clean_patches, monkeypatch, caplog) -> None:
+    from kvcached.integration import vllm_plugin
+
+    def boom(*_a, **_k):
+        raise RuntimeError("patching exploded")
+
+    monkeypatch.setenv("KVCACHED_ENABLE", "1")
+    monkeypatch.setattr(clean_patches, "apply", boom)
+    with caplog.at_level(logging.ERROR, logger="kvcached.integration.vllm"):
+        vllm_plugin.register()
+    assert "patching exploded" in caplog.text
+
+
+@needs_vllm
+def test_unknown_shape_disables_only_that_patch_with_one_warning(clean_patches, monkeypatch, caplog) -> None:
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    def shutdown(self, timeout):  # a future vLLM's different signature
+        return None
+
+    monkeypatch.setattr(WorkerProc, "shutdown", shutdown)
+    with caplog.at_level(logging.WARNING, logger="kvcached.integration.vllm"):
+        first = clean_patches.apply()
+        second = clean_patches.apply()
+    assert first == second == {"lmcache-shutdown": True, "owner-cleanup": True, "worker-listener": False}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "worker-listener" in warnings[0] and "WorkerProc.shutdown" in warnings[0]
+    assert WorkerProc.shutdown is shutdown
+    status = {p.name: p for p in clean_patches.detect().patches}
+    assert not status["worker-listener"].applicable and "unknown vLLM shape" in status["worker-listener"].detail
+
+
+@needs_vllm
+def test_detect_reports_conditions_and_patches(clean_patches, monkeypatch) -> None:
+    report = clean_patches.detect()
+    assert report.vllm_version == "0.33.0" and report.error is None
+    conditions = {c.name: c.present for c in report.conditions}
+    assert conditions == {"shutdown-timeout-zero": True, "sigterm-reset-before-teardown": True,
+                          "lmcache-no-shutdown-forwarding": True}
+    assert all(p.applicable and not p.applied and not p.active for p in report.patches)
+    monkeypatch.setenv("ENABLE_KVCACHED", "true")
+    assert all(p.active and not p.applied for p in clean_patches.detect().patches)
+    clean_patches.apply()
+    d = clean_patches.detect().to_dict()
+    assert all(p["applied"] and p["active"] for p in d["patches"].values())
+    assert d["conditions"]["lmcache-no-shutdown-forwarding"]["present"] is True  # vLLM's own class, not ours
+    json.dumps(d)
+    with pytest.raises(Exception):
+        report.enabled = True  # type: ignore[misc]  # frozen
+
+
+@needs_vllm
+def test_doctor_probe_reads_the_report() -> None:
+    """kvctl doctor runs this probe in a subprocess; it must print the report as one JSON line."""
+    diagnostics = pytest.importorskip("kvcached.diagnostics")
+    r = subprocess.run([sys.executable, "-c", diagnostics._DETECT_PROBE], capture_output=True, text=True,
+                       env={**os.environ, "ENABLE_KVCACHED": "true", "PYTHONPATH": REPO}, timeout=120)
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith(diagnostics._DETECT_MARK))
+    data = json.loads(line[len(diagnostics._DETECT_MARK):])
+    assert set(data["conditions"]) == {"shutdown-timeout-zero", "sigterm-reset-before-teardown",
+                                       "lmcache-no-shutdown-forwarding"}
+    assert {k for k, v in data["patches"].items() if v["active"]} == {"lmcache-shutdown", "owner-cleanup",
+                                                                      "worker-listener"}
+
+
+def test_detect_without_vllm_reports_why(monkeypatch) -> None:
+    """Where vLLM cannot be imported, detect() still returns a report (and never raises)."""
+    from kvcached.integration import vllm_patches
+
+    def missing(name: str):
+        raise ModuleNotFoundError(f"No module named {name!r}")
+
+    monkeypatch.setattr(vllm_patches, "_module", missing)
+    report = vllm_patches.detect()
+    assert report.vllm_version is None and "not importable" in (report.error or "")
+    assert report.to_dict()["patches"] == {} and report.to_dict()["schema"] == vllm_patches.SCHEMA
