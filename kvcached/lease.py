@@ -16,6 +16,7 @@ import fcntl
 import os
 import struct
 import threading
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -25,6 +26,33 @@ LEASE_LEN = 1
 F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
 F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 _FLOCK_FMT = "@hhqqi4x"  # struct flock on LP64 Linux: type, whence, start, len, pid
+
+
+class _ForkSafe:
+    """Objects whose fd must not outlive them in a forked child.
+
+    flock and OFD locks belong to the open file description, which fork()
+    shares: a child forked after we took a lease (an LMCache helper, a
+    multiprocessing worker) would keep holding it after we die, and our dead
+    deployment would look alive for as long as the child runs. Each child drops
+    its copy at once.
+    """
+
+    _instances: "weakref.WeakSet[_ForkSafe]" = weakref.WeakSet()
+
+    def _track(self) -> None:
+        _ForkSafe._instances.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        raise NotImplementedError
+
+
+def _drop_inherited_fds() -> None:
+    for obj in list(_ForkSafe._instances):
+        obj._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_fds)
 
 
 def _flock_struct(kind: int) -> bytes:
@@ -62,12 +90,20 @@ def segment_lease_held(path: str) -> bool | None:
         os.close(fd)
 
 
-class SegmentLease:
+class SegmentLease(_ForkSafe):
     """Hold the segment's lease for the life of this object (the owning engine)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._fd: int | None = None
+        self._lock = threading.Lock()
+        self._track()
+
+    def _after_fork_in_child(self) -> None:
+        # No lock here: another parent thread may have held it at fork time.
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self._lock = threading.Lock()
 
     def acquire(self) -> None:
@@ -102,12 +138,18 @@ class SegmentLease:
         self.release()
 
 
-class DirLease:
+class DirLease(_ForkSafe):
     """Hold `flock(LOCK_SH)` on a socket directory (opened without following links)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd: int | None = None
+        self._track()
+
+    def _after_fork_in_child(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def acquire(self, *, blocking: bool = True) -> None:
         fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -22,7 +22,7 @@ from .decide import Policy, State, decide
 from .facts import listening_facts
 from .ident import file_handle, same_file
 from .layout import Layout
-from .lease import ofd_conflict
+from .lease import _ForkSafe, ofd_conflict
 from .scan import Kind, _candidate, probe_socket
 
 log = logging.getLogger("kvcached.owner")
@@ -47,7 +47,7 @@ class _Node:
     handle: bytes | None
 
 
-class SegmentCleanup:
+class SegmentCleanup(_ForkSafe):
     """Pin the segment's inode at capture; later unlink it only if the path still names that inode."""
 
     def __init__(self, layout: Layout, name: str) -> None:
@@ -55,6 +55,14 @@ class SegmentCleanup:
         self._fd: int | None = None
         self._lock = threading.Lock()
         self.done = False
+        self._track()
+
+    def _after_fork_in_child(self) -> None:
+        # A forked child holding our pin would show as a holder of the segment to gc.
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._lock = threading.Lock()
 
     def capture(self) -> bool:
         """Open (and so pin) the segment; False when there is none to capture."""

@@ -128,16 +128,22 @@ class WorkerListener:
             try:
                 self._clear_path()
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+                bound = False
                 try:
                     sock.bind(self.path)
+                    bound = True
+                    st = os.lstat(self.path)
                     os.chmod(self.path, 0o600)
                     sock.listen(64)
-                except OSError as e:
+                except BaseException as e:
+                    # Anything between bind and serving (an OSError, or SystemExit
+                    # from a SIGTERM handler) must not leave our node behind.
                     sock.close()
-                    if e.errno == errno.EADDRINUSE:
+                    if bound:
+                        _unlink_if_same(self.path, st if "st" in locals() else None)
+                    if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
                         raise SocketInUse(self.path, (), "another process bound it first") from None
                     raise
-                st = os.lstat(self.path)
             except BaseException:
                 self._lease.release()  # type: ignore[union-attr]
                 self._lease = None
@@ -244,6 +250,15 @@ class WorkerListener:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _unlink_if_same(path: str, st: os.stat_result | None) -> None:
+    try:
+        cur = os.lstat(path)
+        if st is None or (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def _rmdir_quiet(path: str) -> None:

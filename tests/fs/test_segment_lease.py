@@ -106,3 +106,27 @@ def test_readers_do_not_hang_on_a_stuck_writer(layout) -> None:
     finally:
         os.close(fd)
     assert read_segment(p).total == 1
+
+
+def test_forked_child_does_not_inherit_the_lease(layout) -> None:
+    p = layout.segment_path("seg6")
+    create_segment(p, 1)
+    lease = SegmentLease(p)
+    lease.acquire()
+    r, w = os.pipe()
+    up_r, up_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child outlives its parent's lease, like an LMCache helper process
+        os.close(w)
+        os.write(up_w, b"u")  # fork hooks have run by the time os.fork returns here
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    assert os.read(up_r, 1) == b"u"
+    try:
+        lease.release()
+        assert segment_lease_held(p) is False  # the child's copy was dropped at fork
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
