@@ -14,12 +14,14 @@ from .conftest import kvctl
 
 NS_CHILD = textwrap.dedent("""
     import subprocess, sys
-    # Private /tmp and /dev/shm, visible only inside this mount namespace.
-    for d in ("/tmp", "/dev/shm"):
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777", "kvctest", d], check=True)
+    # Import first: the checkout itself may live under /tmp, which the mount hides.
     from kvcached.layout import Layout
     from kvcached.segment import create_segment
     from kvcached.ipc.listener import WorkerListener
+    import kvcached.facts, kvcached.scan, kvcached.ipc.protocol  # noqa: F401
+    # Private /tmp and /dev/shm, visible only inside this mount namespace.
+    for d in ("/tmp", "/dev/shm"):
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777", "kvctest", d], check=True)
     name = sys.argv[1]
     layout = Layout()
     create_segment(layout.segment_path(name), 3 << 30)
