@@ -14,7 +14,7 @@ ENV_NAME = "KVCACHED_IPC_NAME"
 
 # Default names: kvcached_<Tag>_<PGID>, optionally with the `_g<id>` group suffix
 # or the `_<n>` uniqueness suffix upstream's code paths mention.
-DEFAULT_NAME_RE = re.compile(r"^kvcached_(vLLM|SGLang|proc)_([0-9]+)(?:_g[0-9]+|_[0-9]+)?$")
+DEFAULT_NAME_RE = re.compile(r"^kvcached_(vLLM|SGLang|proc)_([0-9]+)(?:_g[0-9]+|_[0-9]+)?\Z")
 
 
 def sanitize(raw: str) -> str:
@@ -78,9 +78,11 @@ def socket_dir_name(name: str) -> str:
     return f"kvcached-tp-{name}-{socket_hash(name)}"
 
 
-SOCKET_DIR_RE = re.compile(r"^kvcached-tp-(.+)-([0-9a-f]{8})$", re.DOTALL)
-SOCKET_RE = re.compile(r"^w([0-9]+)\.sock$")
-STAGE_RE = re.compile(r"^pp([1-9][0-9]*)$")
+# `\Z`, never `$`: `$` also matches before a trailing newline, and a planted
+# `w0.sock\n` must not pass for ours.
+SOCKET_DIR_RE = re.compile(r"^kvcached-tp-(.+)-([0-9a-f]{8})\Z", re.DOTALL)
+SOCKET_RE = re.compile(r"^w([0-9]+)\.sock\Z")
+STAGE_RE = re.compile(r"^pp([1-9][0-9]*)\Z")
 
 
 def parse_socket_dir_name(dirname: str) -> tuple[str, bool] | None:

@@ -22,8 +22,8 @@ _SIZE_UNITS = {
 }
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _NUMBER = r"([0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)"
-_SIZE_RE = re.compile(rf"^{_NUMBER}\s*([A-Za-z]*)$")
-_DURATION_RE = re.compile(rf"^{_NUMBER}\s*([smhdSMHD]?)$")
+_SIZE_RE = re.compile(rf"^{_NUMBER}\s*([A-Za-z]*)\Z")
+_DURATION_RE = re.compile(rf"^{_NUMBER}\s*([smhdSMHD]?)\Z")
 _INT64_MAX = (1 << 63) - 1
 
 

@@ -69,3 +69,13 @@ def test_pid_view_maps_paths_as_processes_see_them() -> None:
     p = lay.socket_path("n", 0)
     assert p.startswith("/proc/42/root/tmp/")
     assert lay.seen_path(p) == Layout().socket_path("n", 0)
+
+
+def test_trailing_newlines_are_not_ours() -> None:
+    lay = Layout("/r")
+    d = lay.socket_dir("n")
+    for planted in (f"{d}/w0.sock\n", f"{d}/pp1\n", f"{d}\n", "/r/dev/shm/kvcached_proc_1\n"):
+        assert lay.classify(planted) is None, repr(planted)
+    assert naming.parse_socket_name("w0.sock\n") is None
+    assert naming.parse_stage_name("pp1\n") is None
+    assert naming.default_name_pgid("kvcached_vLLM_12\n") is None
