@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import psutil  # imported up front: a lazy import inside a signal handler can be interrupted
+
 from .layout import Layout
 
 READY = "KVCACHED-READY "
@@ -64,10 +66,15 @@ class Deployment:
             pass
 
     def stop_like_vllm(self, delay: float = 0.02) -> None:
-        """Process-group SIGTERM, then SIGKILL to everything almost at once (vLLM 0.33, shutdown timeout 0)."""
+        """Process-group SIGTERM, then SIGKILL to the engine tree almost at once (vLLM 0.33, shutdown timeout 0).
+
+        The api (the engine owner) is not killed: like vLLM's API server it
+        kills its engine tree itself, then exits (after its cleanup, if enabled).
+        """
         self.signal_group(signal.SIGTERM)
         time.sleep(delay)
-        self.signal_group(signal.SIGKILL)
+        for pid in (self.engine_pid, *self.worker_pids.values()):
+            self.signal(pid, signal.SIGKILL)
         self.wait()
 
     def kill(self) -> None:
@@ -185,7 +192,13 @@ def _run_worker(args: argparse.Namespace, layout: Layout) -> int:
             pass
     listener.start()
 
+    stopping = False
+
     def on_term(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        if stopping:
+            return  # a second SIGTERM while the first one's stop() runs: let it finish
+        stopping = True
         listener.stop()  # graceful worker shutdown; vLLM's SIGKILL usually beats it
         os._exit(0)
 
@@ -225,9 +238,15 @@ def _run_engine(args: argparse.Namespace, layout: Layout) -> int:
     print(READY + json.dumps({"workers": [{"stage": s, "rank": r, "pid": p.pid} for s, r, p in workers]}),
           flush=True)
 
+    stopping = False
+
     def on_term(signum: int, _frame: object) -> None:
         # Like EngineCore: stop the workers, then exit through os._exit, so the
         # segment's destructor never runs (upstream leaves the segment behind).
+        nonlocal stopping
+        if stopping:
+            return  # re-entering Popen.wait() from a second SIGTERM would deadlock
+        stopping = True
         for _, _, p in workers:
             p.terminate()
         for _, _, p in workers:
@@ -256,29 +275,31 @@ def _run_api(args: argparse.Namespace, layout: Layout) -> int:
         sock_cleanup.capture()
     print(READY + json.dumps({"engine": engine.pid, **info}), flush=True)
 
-    def shutdown(signum: int, _frame: object) -> None:
-        # vLLM 0.33 with --shutdown-timeout 0: SIGTERM the engine, then kill its tree at once.
-        engine.terminate()
+    def on_term(signum: int, _frame: object) -> None:
+        # vLLM 0.33 with --shutdown-timeout 0: SIGTERM the engine, then kill its tree
+        # at once. Only signals here: the main thread is inside engine.wait(), and
+        # Popen.wait() is not re-entrant (waiting here too would deadlock).
+        try:
+            engine.terminate()
+        except OSError:
+            pass
         _kill_tree(engine.pid)
-        engine.wait()  # a confirmed exit code: only now may the owner clean up
-        if args.owner_cleanup:
-            for _ in range(50):
-                done = sock_cleanup.cleanup().complete & seg_cleanup.cleanup().complete
-                if done:
-                    break
-                time.sleep(0.1)
-        os._exit(0)
 
-    signal.signal(signal.SIGTERM, shutdown)
-    signal.signal(signal.SIGINT, shutdown)
-    engine.wait()
-    shutdown(0, None)
-    return 0
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    engine.wait()  # a confirmed exit code: only now may the owner clean up
+    if args.owner_cleanup:
+        # Stopped or orphaned workers keep their nodes served; retry a little,
+        # then leave what is still live to them and to `kvctl gc`.
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            if sock_cleanup.cleanup().complete & seg_cleanup.cleanup().complete:
+                break
+            time.sleep(0.1)
+    os._exit(0)
 
 
 def _kill_tree(pid: int) -> None:
-    import psutil
-
     try:
         procs = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
     except psutil.NoSuchProcess:

@@ -20,6 +20,7 @@ from .facts import Facts
 from .ident import file_handle
 from .lease import ofd_conflict
 from .layout import Layout, SUN_PATH_MAX
+from .segment import SEGMENT_SIZE, has_mark
 
 
 class StrEnum(str, Enum):
@@ -235,12 +236,16 @@ def scan(layout: Layout, names: Iterable[str] = (), facts: Facts | None = None, 
         return result
     try:
         for entry in sorted(os.listdir(shm_fd)):
-            if entry not in wanted and not naming.DEFAULT_NAME_RE.match(entry):
+            named = entry in wanted or naming.DEFAULT_NAME_RE.match(entry) is not None
+            if not named and not naming.is_valid_name(entry):
                 continue
             try:
                 st = os.stat(entry, dir_fd=shm_fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
+            if not named and not (stat.S_ISREG(st.st_mode) and st.st_size == SEGMENT_SIZE
+                                  and st.st_nlink == 1 and has_mark(entry, shm_fd)):
+                continue  # a file of someone else's with an innocent name
             c = _candidate(Kind.SEGMENT, layout, os.path.join(layout.shm_dir, entry), entry, st,
                            deployment=entry, handle=file_handle(entry, shm_fd))
             if facts is not None and c.ftype is FileType.REGULAR and c.nlink == 1:

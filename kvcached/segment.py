@@ -13,6 +13,12 @@ from dataclasses import dataclass
 from .errors import NotASegment, SegmentBusy, SegmentMissing
 
 SEGMENT_SIZE = 24
+# Our runtime marks the segments it creates, so that one with an explicit name
+# is still recognisable once its socket directory and processes are gone (the
+# name alone says nothing: any file in /dev/shm could carry it). Upstream's
+# segments carry no mark; filesystems without user xattrs simply go unmarked.
+MARK_XATTR = "user.kvcached"
+MARK_VALUE = b"segment/1"
 _FMT = "=qqq"  # total_size, used_size, prealloc_size; native byte order like upstream
 
 
@@ -120,6 +126,24 @@ def create_segment(path: str, total: int, *, exist_ok: bool = False) -> SegmentI
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, SEGMENT_SIZE)
         os.pwrite(fd, struct.pack(_FMT, total, 0, 0), 0)
+        try:
+            os.setxattr(fd, MARK_XATTR, MARK_VALUE)
+        except OSError:
+            pass  # no user xattrs here (ENOTSUP) or not allowed: the segment is merely unmarked
     finally:
         os.close(fd)
     return SegmentInfo(total, 0, 0)
+
+
+def has_mark(name: str, dir_fd: int) -> bool:
+    """True when `name` (in `dir_fd`, not followed) carries our runtime's segment mark."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        return os.getxattr(fd, MARK_XATTR) == MARK_VALUE
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

@@ -60,6 +60,7 @@ class WorkerListener:
         self._thread: threading.Thread | None = None
         self._stop_r, self._stop_w = -1, -1
         self._lock = threading.Lock()
+        self._stopping = False
 
     def register(self, command: str, handler: Handler) -> None:
         """Add a command (the runtime adds map / unmap / created)."""
@@ -214,7 +215,20 @@ class WorkerListener:
             return {"ok": False, "error": f"{cmd}: {type(e).__name__}: {e}", "version": VERSION}
 
     def stop(self) -> None:
-        """Close, unlink our own node, remove directories we leave empty, release the lease."""
+        """Close, unlink our own node, remove directories we leave empty, release the lease.
+
+        Re-entrant: a SIGTERM handler that calls stop() while a stop() is already
+        running in the same thread returns at once instead of deadlocking.
+        """
+        if self._stopping:
+            return
+        self._stopping = True
+        try:
+            self._stop()
+        finally:
+            self._stopping = False
+
+    def _stop(self) -> None:
         with self._lock:
             if self._sock is None:
                 return

@@ -263,3 +263,15 @@ def test_time_limit_keeps_the_rest(layout, uniq) -> None:
     report = execute(plan(layout, NOW_POLICY), dry_run=False, time_limit=1e-9)
     assert report.timed_out and all(e.action is Action.KEPT for e in report.entries)
     assert report.stale_remaining
+
+
+def test_explicit_name_segment_found_by_mark_and_innocent_files_ignored(layout, uniq) -> None:
+    ours, innocent = layout.segment_path(f"{uniq}m"), layout.segment_path(f"{uniq}i")
+    create_segment(ours, 1)  # our runtime marks it: found with no socket dir and no process
+    with open(innocent, "wb") as f:
+        f.write(b"\0" * 24)  # same size and a valid name, but not ours to judge
+    for p in (ours, innocent):
+        backdate(p)
+    report = run_cleanup(layout, NOW_POLICY)
+    assert [(e.path, e.action) for e in report.entries] == [(ours, Action.REMOVED)]
+    assert os.path.exists(innocent)

@@ -1,0 +1,262 @@
+"""gc, fact-pass and owner-cleanup benchmarks of issue 6, measured side by side in one run.
+
+    .venv/bin/python bench/bench_gc.py            # everything (~1-2 min)
+    .venv/bin/python bench/bench_gc.py --quick    # smaller repeat counts
+
+Prints each figure with its ratio against the baseline named next to it:
+
+1. gc --dry-run over N stale deployments × 8 sockets + N segments (N = 1,000
+   and 2,000), in-process (`plan` + `execute(dry_run=True)`) and end to end
+   (`kvctl --root DIR gc --dry-run --min-age 0 --json`), against a bare Python
+   loop doing one lstat and one non-blocking connect per socket and one stat
+   per segment over the same nodes. Targets: in-process ≤ 2.5× the loop; time
+   at 2,000 ≤ 2.2× the time at 1,000.
+2. The /proc fact pass (`gather_facts`) against `ss -xap`, with ~500 extra
+   processes each holding a listening Unix socket. Target ≤ 2×.
+3. Owner-side cleanup (`WorkerSocketCleanup.cleanup`) of 32 worker sockets:
+   typical (all stale), and worst case (all still bound by SIGSTOPped workers
+   whose listen backlogs are full). Target ≤ 1.5 s.
+
+(Cold start of `kvctl gc --dry-run` against `python -c "import torch"` is
+bench/bench_cli_start.py.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from kvcached.cleanup import execute, plan
+from kvcached.decide import Policy
+from kvcached.facts import gather_facts
+from kvcached.layout import Layout
+from kvcached.owner import WorkerSocketCleanup
+from kvcached.segment import create_segment
+
+KVCTL = os.path.join(os.path.dirname(sys.executable), "kvctl")
+
+
+def timed(fn, repeat: int) -> float:
+    """Median wall seconds of `repeat` calls."""
+    out = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def make_stale_node(base: str, n: int, tp: int = 4, pp: int = 2) -> Layout:
+    """n dead deployments: tp×pp socket nodes nobody listens on, their dirs, and n segments."""
+    for sub in ("tmp", "dev/shm"):
+        os.makedirs(os.path.join(base, sub), exist_ok=True)
+    layout = Layout(base)
+    for i in range(n):
+        name = f"b{i}"
+        for stage in range(1, pp):
+            os.makedirs(layout.stage_dir(name, stage), 0o700, exist_ok=True)
+        for stage, rank, path in layout.socket_paths(name, tp, pp):
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(path)
+            s.close()
+        create_segment(layout.segment_path(name), 1 << 30)
+    return layout
+
+
+def bare_loop(layout: Layout, n: int, tp: int = 4, pp: int = 2) -> None:
+    """The floor: what any tool must do per node (lstat + non-blocking connect; stat per segment)."""
+    for i in range(n):
+        name = f"b{i}"
+        for _, _, path in layout.socket_paths(name, tp, pp):
+            os.lstat(path)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+            try:
+                s.connect(path)
+            except OSError:
+                pass
+            finally:
+                s.close()
+        os.stat(layout.segment_path(name))
+
+
+def bench_gc(quick: bool) -> None:
+    print("== 1. gc --dry-run over N stale deployments x 8 sockets + N segments ==")
+    results = {}
+    for n in (1000, 2000):
+        base = tempfile.mkdtemp(prefix="kvb", dir="/tmp")
+        try:
+            layout = make_stale_node(base, n)
+            policy = Policy(grace=0.0)
+            rep = 3 if quick else 5
+            loop = timed(lambda: bare_loop(layout, n), rep)
+            lib = timed(lambda: execute(plan(layout, policy), dry_run=True), rep)
+            check = execute(plan(layout, policy), dry_run=True)
+            would = check.summary()["actions"]["would_remove"]  # type: ignore[index]
+            cli_runs = []
+            for _ in range(1 if quick else 3):
+                t = time.perf_counter()
+                r = subprocess.run([KVCTL, "--root", base, "gc", "--dry-run", "--min-age", "0", "--json"],
+                                   capture_output=True)
+                cli_runs.append(time.perf_counter() - t)
+            cli = statistics.median(cli_runs)
+            results[n] = (loop, lib, cli)
+            print(f"  N={n:5d}: {n * 8} sockets, {n} dirs, {n} segments; plan would remove {would}")
+            print(f"    bare lstat+connect+stat loop : {loop * 1000:8.1f} ms")
+            print(f"    gc dry run, in-process        : {lib * 1000:8.1f} ms   ratio {lib / loop:5.2f}x (target <= 2.5x)")
+            print(f"    kvctl gc --dry-run --json     : {cli * 1000:8.1f} ms   ratio {cli / loop:5.2f}x "
+                  f"(end to end, exit {r.returncode})")
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+    (l1, g1, c1), (l2, g2, c2) = results[1000], results[2000]
+    print(f"  growth 1,000 -> 2,000: in-process {g2 / g1:4.2f}x, kvctl {c2 / c1:4.2f}x, "
+          f"bare loop {l2 / l1:4.2f}x (target <= 2.2x)")
+
+
+def _holders(n: int, sockdir: str) -> list[int]:
+    """Fork n processes, each listening on its own Unix socket, then idle."""
+    pids = []
+    for i in range(n):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                s = socket.socket(socket.AF_UNIX)
+                s.bind(os.path.join(sockdir, f"h{i}.sock"))
+                s.listen(1)
+                signal.pause()
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    deadline = time.monotonic() + 60
+    while len(os.listdir(sockdir)) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pids
+
+
+def _reap(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in pids:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def bench_facts(quick: bool, extra: int) -> None:
+    print(f"== 2. /proc fact pass vs `ss -xap`, {extra} extra processes holding sockets ==")
+    sockdir = tempfile.mkdtemp(prefix="kvbf", dir="/tmp")
+    pids = _holders(extra, sockdir)
+    try:
+        rep = 3 if quick else 7
+        facts = gather_facts()
+        ours = timed(gather_facts, rep)
+        ss = timed(lambda: subprocess.run(["ss", "-xap"], capture_output=True, check=True), rep) \
+            if shutil.which("ss") else float("nan")
+        print(f"  processes seen: {len(facts.processes)}, listening paths: {len(facts.listeners)}")
+        print(f"    ss -xap                       : {ss * 1000:8.1f} ms")
+        print(f"    gather_facts()                : {ours * 1000:8.1f} ms   ratio {ours / ss:5.2f}x (target <= 2x)")
+    finally:
+        _reap(pids)
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def bench_owner(quick: bool) -> None:
+    print("== 3. owner-side cleanup of 32 worker sockets (TP 8 x PP 4) ==")
+    tp, pp = 8, 4
+    rep = 3 if quick else 5
+
+    def typical() -> float:
+        base = tempfile.mkdtemp(prefix="kvbo", dir="/tmp")
+        try:
+            layout = make_stale_node(base, 1, tp, pp)
+            owner = WorkerSocketCleanup(layout, "b0", tp, pp)
+            owner.capture()
+            t = time.perf_counter()
+            res = owner.cleanup()
+            dt = time.perf_counter() - t
+            assert len(res.removed) >= tp * pp, res
+            return dt
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+    def worst() -> float:
+        base = tempfile.mkdtemp(prefix="kvbo", dir="/tmp")
+        for sub in ("tmp", "dev/shm"):
+            os.makedirs(os.path.join(base, sub))
+        layout = Layout(base)
+        for stage in range(1, pp):
+            os.makedirs(layout.stage_dir("b0", stage), 0o700, exist_ok=True)
+        listeners, clients = [], []
+        for _, _, path in layout.socket_paths("b0", tp, pp):
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(path)
+            s.listen(1)
+            listeners.append(s)
+            while True:  # fill the backlog: the next connect gets EAGAIN
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+                try:
+                    c.connect(path)
+                    clients.append(c)
+                except BlockingIOError:
+                    c.close()
+                    break
+        pid = os.fork()
+        if pid == 0:
+            try:
+                signal.pause()
+            finally:
+                os._exit(0)
+        os.kill(pid, signal.SIGSTOP)
+        for s in listeners:
+            s.close()  # only the stopped child holds them now
+        try:
+            owner = WorkerSocketCleanup(layout, "b0", tp, pp)
+            owner.capture()
+            t = time.perf_counter()
+            res = owner.cleanup()
+            dt = time.perf_counter() - t
+            assert not res.removed, f"removed sockets a stopped worker still listens on: {res.removed}"
+            return dt
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            for c in clients:
+                c.close()
+            shutil.rmtree(base, ignore_errors=True)
+
+    t_typ = statistics.median(typical() for _ in range(rep))
+    t_worst = statistics.median(worst() for _ in range(rep))
+    print(f"    typical (32 stale)            : {t_typ * 1000:8.1f} ms")
+    print(f"    worst (32 stopped, full backlogs): {t_worst * 1000:8.1f} ms   ratio {t_worst / t_typ:5.2f}x typical; "
+          f"{'within' if t_worst <= 1.5 else 'OVER'} the 1.5 s bound")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    ap.add_argument("--extra-procs", type=int, default=500)
+    ap.add_argument("--only", choices=("gc", "facts", "owner"))
+    args = ap.parse_args()
+    print(f"kvcached gc benchmarks: python {sys.version.split()[0]}, {os.cpu_count()} cpus, "
+          f"load {os.getloadavg()[0]:.2f}")
+    if args.only in (None, "gc"):
+        bench_gc(args.quick)
+    if args.only in (None, "facts"):
+        bench_facts(args.quick, args.extra_procs)
+    if args.only in (None, "owner"):
+        bench_owner(args.quick)
+
+
+if __name__ == "__main__":
+    main()
