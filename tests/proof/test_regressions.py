@@ -1,7 +1,7 @@
 """Core bugs found by the proof suite, each as the smallest real repro.
 
-These fail until the core is fixed; test_properties.py models today's
-behaviour for them through KNOWN_BUGS so that it keeps exploring.
+Each failed before its fix landed and guards against its return;
+test_properties.py can still model a bug through KVCACHED_KNOWN_BUGS.
 """
 
 from __future__ import annotations
