@@ -11,6 +11,7 @@ import fcntl
 import fnmatch
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -86,8 +87,15 @@ class Report:
     finished: float
     timed_out: bool = False
 
-    def count(self, **match: object) -> int:
-        return sum(all(getattr(e, k) == v for k, v in match.items()) for e in self.entries)
+    def count(self, *, state: State | None = None, action: Action | None = None, kind: Kind | None = None) -> int:
+        """How many entries have the given state, action and kind (None: any)."""
+        counts = self.__dict__.get("_counts")
+        if counts is None:
+            # One pass, then O(1) per question: summaries and metrics ask dozens.
+            counts = self.__dict__["_counts"] = Counter(
+                (e.decision.state, e.action, e.candidate.kind) for e in self.entries)
+        return sum(n for (s, a, k), n in counts.items()
+                   if (state is None or s is state) and (action is None or a is action) and (kind is None or k is kind))
 
     @property
     def failures(self) -> list[Entry]:

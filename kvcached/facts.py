@@ -36,10 +36,10 @@ class ProcessInfo:
     cmdline: tuple[str, ...]
     ipc_name: str | None  # sanitised KVCACHED_IPC_NAME from the environment, if readable and set
     socket_inodes: frozenset[int]
-    shm_files: frozenset[tuple[int, int]]  # (st_dev, st_ino) of /dev/shm files held open or mapped
+    shm_files: frozenset[tuple[int, int]]  # (st_dev, st_ino) of /dev/shm files held open
     mnt_ns: str | None
     net_ns: str | None
-    unreadable: frozenset[str]  # which of environ / fd / maps / ns could not be read
+    unreadable: frozenset[str]  # which of environ / fd / ns could not be read (maps: Facts.unreadable_pids)
 
     @property
     def complete(self) -> bool:
@@ -79,6 +79,8 @@ class Facts:
     unreadable_pids: dict[int, frozenset[str]] = field(default_factory=dict)
     hidepid: bool = False
     errors: list[str] = field(default_factory=list)
+    # (st_dev, st_ino) -> pids mapping it; None until first needed (see mapped())
+    mapped_files: dict[tuple[int, int], list[int]] | None = None
 
     def _index(self) -> dict[str, dict]:
         # Built once per Facts so that deciding N candidates stays O(processes + N).
@@ -102,7 +104,33 @@ class Facts:
         return self._index()["name"].get(name, [])
 
     def holders_of_file(self, ident: tuple[int, int]) -> list[ProcessInfo]:
-        return self._index()["file"].get(ident, [])
+        """Processes that hold `ident` open or map it."""
+        held = self._index()["file"].get(ident, [])
+        mapped = [self.processes[pid] for pid in self.mapped().get(ident, ()) if pid in self.processes]
+        return held + [p for p in mapped if p not in held] if mapped else held
+
+    def mapped(self) -> dict[tuple[int, int], list[int]]:
+        """/dev/shm files mapped by each process, read from /proc/<pid>/maps on first use.
+
+        Reading every process's maps is most of a /proc pass's cost, and only a
+        segment without a lease needs it; so it is read once, when first asked.
+        """
+        if self.mapped_files is not None:
+            return self.mapped_files
+        out: dict[tuple[int, int], list[int]] = {}
+        for pid, p in self.processes.items():
+            try:
+                raw = _read(f"{self.proc_root}/{pid}/maps")
+            except PermissionError:
+                self.unreadable_pids[pid] = self.unreadable_pids.get(pid, frozenset()) | {"maps"}
+                continue
+            except OSError:
+                continue  # exited since the pass
+            for ident in _shm_maps(raw):
+                out.setdefault(ident, []).append(pid)
+        self.mapped_files = out
+        self.__dict__.pop("_blind", None)  # new unreadable processes may be blind spots
+        return out
 
     def serving_pids(self, seen_path: str) -> tuple[int, ...]:
         pids: set[int] = set()
@@ -244,9 +272,6 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
         raw_env = attempt("environ", lambda: _read(f"{base}/environ"))
         ipc_name = _env_ipc_name(raw_env) if raw_env is not None else None
         attempt("fd", lambda: _scan_fds(f"{base}/fd", shm, sockets))
-        maps = attempt("maps", lambda: _read(f"{base}/maps"))
-        if maps is not None:
-            shm |= _shm_maps(maps)
         ns = {kind: attempt(f"ns/{kind}", lambda k=kind: os.readlink(f"{base}/ns/{k}")) for kind in ("mnt", "net")}
     except _Gone:
         # It exited while we read it: gone, not hidden from us. Counting it as

@@ -275,3 +275,25 @@ def test_explicit_name_segment_found_by_mark_and_innocent_files_ignored(layout, 
     report = run_cleanup(layout, NOW_POLICY)
     assert [(e.path, e.action) for e in report.entries] == [(ours, Action.REMOVED)]
     assert os.path.exists(innocent)
+
+
+def test_segment_mapped_by_a_process_is_live(layout, uniq) -> None:
+    path = layout.segment_path(uniq)
+    create_segment(path, 1)
+    backdate(path)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import mmap, os, sys
+        fd = os.open({path!r}, os.O_RDWR)
+        m = mmap.mmap(fd, 24)
+        os.close(fd)  # mapped, not held open: only /proc/<pid>/maps shows it
+        print("mapped", flush=True)
+        sys.stdin.read()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        d = plan(layout, NOW_POLICY).decisions[path]
+        assert (d.state, d.reason, d.pids) == (State.LIVE, Reason.HELD_OPEN, (holder.pid,))
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+    assert plan(layout, NOW_POLICY).decisions[path].state is State.STALE

@@ -37,7 +37,7 @@ def proc(pid: int, start: float = OLD - 100, **kw: object) -> ProcessInfo:
 
 
 def facts(*procs: ProcessInfo, **kw: object) -> Facts:
-    f = Facts("/proc", NOW, 0, "mnt:[1]", "net:[1]")
+    f = Facts("/proc", NOW, 0, "mnt:[1]", "net:[1]", mapped_files={})
     f.processes = {p.pid: p for p in procs}
     f.unreadable_pids = {p.pid: p.unreadable for p in procs if p.unreadable}
     for k, v in kw.items():
@@ -85,6 +85,8 @@ CASES = [
     ("segment live: lease", replace(SEG, lease=True), facts(locks={(2, 20): [LockEntry("OFDLCK", "READ", -1)]}),
      ROOT, (), State.LIVE, Reason.LEASE_HELD),
     ("segment live: held open", SEG, facts(proc(8, shm_files=frozenset({(2, 20)}))), ROOT, (),
+     State.LIVE, Reason.HELD_OPEN),
+    ("segment live: mapped", SEG, facts(proc(8), mapped_files={(2, 20): [8]}), ROOT, (),
      State.LIVE, Reason.HELD_OPEN),
     ("segment stale: nobody", SEG, facts(), ROOT, (), State.STALE, Reason.NO_OWNER),
     ("segment young", replace(SEG, mtime=NOW - 1), facts(), ROOT, (), State.YOUNG, Reason.YOUNG),
