@@ -159,7 +159,7 @@ def _read(path: str) -> bytes:
     # read itself, and a pass makes six reads per process.
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        chunks = []
+        chunks: list[bytes] = []
         while True:
             chunk = os.read(fd, 65536)
             if not chunk:

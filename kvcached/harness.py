@@ -333,10 +333,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "workers": {f"pp{s}/w{r}": p for (s, r), p in dep.worker_pids.items()}}))
         return 0
     if args.role == "worker":
-        try:
-            import setproctitle  # noqa: F401  (optional; cmdline already names the role)
-        except ImportError:
-            pass
         return _run_worker(args, layout)
     if args.role == "engine":
         return _run_engine(args, layout)

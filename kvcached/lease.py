@@ -39,12 +39,18 @@ class _ForkSafe:
     """
 
     _instances: "weakref.WeakSet[_ForkSafe]" = weakref.WeakSet()
+    _fd: int | None = None
+    _lock: threading.Lock
 
     def _track(self) -> None:
         _ForkSafe._instances.add(self)
 
     def _after_fork_in_child(self) -> None:
-        raise NotImplementedError
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        # A fresh lock, never acquired: another parent thread may have held the old one at fork time.
+        self._lock = threading.Lock()
 
 
 def _drop_inherited_fds() -> None:
@@ -98,13 +104,6 @@ class SegmentLease(_ForkSafe):
         self._fd: int | None = None
         self._lock = threading.Lock()
         self._track()
-
-    def _after_fork_in_child(self) -> None:
-        # No lock here: another parent thread may have held it at fork time.
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        self._lock = threading.Lock()
 
     def acquire(self) -> None:
         with self._lock:

@@ -55,14 +55,7 @@ class SegmentCleanup(_ForkSafe):
         self._fd: int | None = None
         self._lock = threading.Lock()
         self.done = False
-        self._track()
-
-    def _after_fork_in_child(self) -> None:
-        # A forked child holding our pin would show as a holder of the segment to gc.
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        self._lock = threading.Lock()
+        self._track()  # a forked child holding our pin would show as a holder of the segment to gc
 
     def capture(self) -> bool:
         """Open (and so pin) the segment; False when there is none to capture."""

@@ -108,3 +108,22 @@ def in_thread(fn) -> threading.Thread:
     t = threading.Thread(target=fn, daemon=True)
     t.start()
     return t
+
+
+CLEANUP_AS_USER = textwrap.dedent("""
+    import json, sys
+    from kvcached.cleanup import run_cleanup
+    from kvcached.decide import Policy
+    from kvcached.layout import Layout
+    r = run_cleanup(Layout(sys.argv[1]), Policy(grace=0))
+    print(json.dumps([e.to_dict() for e in r.entries]))
+""")
+
+
+def cleanup_as(user, root: str) -> dict[str, dict]:
+    """Run a real cleanup (grace 0) as `user` on `root`; its report entries by path."""
+    import json
+
+    out = run_as(user, CLEANUP_AS_USER, root)
+    assert out.returncode == 0, out.stderr
+    return {e["path"]: e for e in json.loads(out.stdout)}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -11,7 +10,6 @@ import sys
 import textwrap
 import time
 
-import pytest
 
 from kvcached.cleanup import Action, execute, plan, run_cleanup
 from kvcached.decide import Policy, Reason, State
@@ -21,7 +19,7 @@ from kvcached.scan import Kind
 from kvcached.segment import create_segment
 
 from ..conftest import allow_traverse
-from .helpers import (backdate, live_socket, run_as, stale_socket, start_upstream_listener,
+from .helpers import (backdate, cleanup_as, live_socket, stale_socket, start_upstream_listener,
                       upstream_request)
 
 NOW_POLICY = Policy(grace=0)
@@ -207,17 +205,7 @@ def test_permission_denied_probe_keeps_node(layout, uniq, unpriv_user) -> None:
         os.chown(p, unpriv_user.pw_uid, unpriv_user.pw_gid)
     os.chmod(os.path.dirname(path), 0o700)
     backdate(path)
-    code = textwrap.dedent("""
-        import json, sys
-        from kvcached.cleanup import run_cleanup
-        from kvcached.decide import Policy
-        from kvcached.layout import Layout
-        r = run_cleanup(Layout(sys.argv[1]), Policy(grace=0))
-        print(json.dumps([e.to_dict() for e in r.entries]))
-    """)
-    out = run_as(unpriv_user, code, layout.root)
-    assert out.returncode == 0, out.stderr
-    entries = {e["path"]: e for e in json.loads(out.stdout)}
+    entries = cleanup_as(unpriv_user, layout.root)
     assert (entries[path]["state"], entries[path]["reason"]) == ("unknown", "probe_denied")
     assert os.path.lexists(path)
 
@@ -230,17 +218,7 @@ def test_other_users_entries_untouched_when_not_root(layout, uniq, unpriv_user) 
     create_segment(seg, 1)
     for p in (path, seg):
         backdate(p)
-    code = textwrap.dedent("""
-        import json, sys
-        from kvcached.cleanup import run_cleanup
-        from kvcached.decide import Policy
-        from kvcached.layout import Layout
-        r = run_cleanup(Layout(sys.argv[1]), Policy(grace=0))
-        print(json.dumps([e.to_dict() for e in r.entries]))
-    """)
-    out = run_as(unpriv_user, code, layout.root)
-    assert out.returncode == 0, out.stderr
-    entries = {e["path"]: e for e in json.loads(out.stdout)}
+    entries = cleanup_as(unpriv_user, layout.root)
     for p in (path, seg, layout.socket_dir(uniq)):
         assert entries[p]["state"] == "foreign" and entries[p]["action"] == "kept", entries[p]
         assert os.path.lexists(p)

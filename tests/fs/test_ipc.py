@@ -16,9 +16,9 @@ import pytest
 from kvcached.errors import IpcError, SocketInUse, UnsafeDirectory
 from kvcached.ipc.client import Client, ping
 from kvcached.ipc.listener import WorkerListener
-from kvcached.ipc.protocol import HEADER_SIZE, MAX_BODY, VERSION
+from kvcached.ipc.protocol import MAX_BODY, VERSION
 
-from .helpers import live_socket, run_as, stale_socket
+from .helpers import run_as, stale_socket
 
 
 @pytest.fixture
