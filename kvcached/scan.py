@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import os
-import socket
 import stat
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -258,6 +257,7 @@ def scan(layout: Layout, names: Iterable[str] = (), facts: Facts | None = None, 
 
 def probe_socket(path: str) -> tuple[Probe, str | None]:
     """Non-blocking connect; only for nodes that no passive listing shows (LAYOUT.md §3)."""
+    import socket  # here, not at import: kvctl on a clean node never probes
     target = path
     dir_fd = -1
     if len(os.fsencode(path)) >= SUN_PATH_MAX:

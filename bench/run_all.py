@@ -1,0 +1,34 @@
+"""Every benchmark, one after the other, in one run: `make bench` (or `python bench/run_all.py`).
+
+Each script prints its figures with the ratio against the baseline it measures
+side by side in the same run; nothing here asserts a time. The scripts run in
+sequence, never in parallel, so that one does not load the machine under
+another's measurement.
+
+1. bench_cli_start.py  `kvctl gc --dry-run` cold start vs `python -c "import torch"`
+2. bench_gc.py         gc dry run vs a bare lstat+connect+stat loop (1,000 and 2,000
+                       deployments), the /proc fact pass vs `ss -xap`, owner cleanup
+3. bench_pages.py      extension map+unmap vs a bare mmap/munmap loop; pool alloc/free
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = [["bench_cli_start.py"], ["bench_gc.py"], ["bench_pages.py"]]
+
+
+def main() -> int:
+    failed = 0
+    for script, *args in SCRIPTS:
+        print(f"\n### {script}", flush=True)
+        r = subprocess.run([sys.executable, os.path.join(HERE, script), *args])
+        failed |= r.returncode != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
