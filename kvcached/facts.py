@@ -72,8 +72,8 @@ class Facts:
     listeners: dict[str, set[int]] = field(default_factory=dict)
     # socket inode -> pids holding it
     socket_holders: dict[int, set[int]] = field(default_factory=dict)
-    # (st_dev, st_ino) -> locks, from /proc/locks
-    locks: dict[tuple[int, int], list[LockEntry]] = field(default_factory=dict)
+    # (st_dev, st_ino) -> locks from /proc/locks; None until first needed (see the `locks` property)
+    lock_table: dict[tuple[int, int], list[LockEntry]] | None = None
     net_namespaces: set[str] = field(default_factory=set)
     unreadable_netns: set[str] = field(default_factory=set)
     unreadable_pids: dict[int, frozenset[str]] = field(default_factory=dict)
@@ -81,6 +81,17 @@ class Facts:
     errors: list[str] = field(default_factory=list)
     # (st_dev, st_ino) -> pids mapping it; None until first needed (see mapped())
     mapped_files: dict[tuple[int, int], list[int]] | None = None
+
+    @property
+    def locks(self) -> dict[tuple[int, int], list[LockEntry]]:
+        """Every lock the kernel lists, read on first use.
+
+        A process's first read of /proc/locks costs milliseconds in the kernel,
+        which a kvctl run on a node with nothing to judge should not pay.
+        """
+        if self.lock_table is None:
+            self.lock_table = read_proc_locks(self.proc_root)
+        return self.lock_table
 
     def _index(self) -> dict[str, dict]:
         # Built once per Facts so that deciding N candidates stays O(processes + N).
@@ -404,5 +415,4 @@ def gather_facts(proc_root: str = "/proc", *, now: float | None = None) -> Facts
             seen_tables.add(raw)
             add_table(raw)
     facts.listeners = dict(listeners)
-    facts.locks = read_proc_locks(proc_root)
     return facts

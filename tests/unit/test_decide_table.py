@@ -37,7 +37,7 @@ def proc(pid: int, start: float = OLD - 100, **kw: object) -> ProcessInfo:
 
 
 def facts(*procs: ProcessInfo, **kw: object) -> Facts:
-    f = Facts("/proc", NOW, 0, "mnt:[1]", "net:[1]", mapped_files={})
+    f = Facts("/proc", NOW, 0, "mnt:[1]", "net:[1]", mapped_files={}, lock_table={})
     f.processes = {p.pid: p for p in procs}
     f.unreadable_pids = {p.pid: p.unreadable for p in procs if p.unreadable}
     for k, v in kw.items():
@@ -82,7 +82,7 @@ CASES = [
      State.LIVE, Reason.OWNER_ALIVE),
     ("socket: deployment process started after last change is no evidence", SOCK,
      facts(proc(7, start=NOW - 1, ipc_name="d")), ROOT, (), State.STALE, Reason.NOT_LISTENING),
-    ("segment live: lease", replace(SEG, lease=True), facts(locks={(2, 20): [LockEntry("OFDLCK", "READ", -1)]}),
+    ("segment live: lease", replace(SEG, lease=True), facts(lock_table={(2, 20): [LockEntry("OFDLCK", "READ", -1)]}),
      ROOT, (), State.LIVE, Reason.LEASE_HELD),
     ("segment live: held open", SEG, facts(proc(8, shm_files=frozenset({(2, 20)}))), ROOT, (),
      State.LIVE, Reason.HELD_OPEN),
