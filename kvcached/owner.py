@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from .decide import Policy, State, decide
 from .facts import listening_facts
-from .ident import file_handle, same_file
+from .ident import fd_handle, file_handle, same_file
 from .layout import Layout
 from .lease import _ForkSafe, ofd_conflict
 from .scan import Kind, _candidate, probe_socket
@@ -133,6 +133,7 @@ class WorkerSocketCleanup:
         self.tp_size = tp_size
         self.pp_size = pp_size
         self._pending: dict[str, _Node] = {}
+        self._dirs: dict[str, tuple[tuple[int, int], bytes | None]] = {}  # stage/root dir -> identity at capture
         self._captured = False
         self._lock = threading.Lock()
         self.done = False
@@ -143,6 +144,11 @@ class WorkerSocketCleanup:
             if self.done:
                 return 0
             self._pending.clear()
+            self._dirs.clear()
+            for d in {self.layout.stage_dir(self.name, s) for s in range(self.pp_size)}:
+                ident = _dir_identity(d)
+                if ident is not None:
+                    self._dirs[d] = ident
             for stage, rank, path in self.layout.socket_paths(self.name, self.tp_size, self.pp_size):
                 try:
                     dir_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -184,6 +190,7 @@ class WorkerSocketCleanup:
         kept: list[tuple[str, str]] = []
         errors: list[str] = []
         emptied_stages: set[int] = set()
+        vanished_stages: set[int] = set()  # captured nodes their own worker removed (a graceful stop)
         for path, node in sorted(self._pending.items()):
             parent = os.path.dirname(path)
             try:
@@ -196,6 +203,7 @@ class WorkerSocketCleanup:
                     st = os.stat(os.path.basename(path), dir_fd=dir_fd, follow_symlinks=False)
                 except FileNotFoundError:
                     del self._pending[path]
+                    vanished_stages.add(node.stage)
                     continue
                 if (st.st_dev, st.st_ino) != node.ident or not same_file(
                         node.handle, file_handle(os.path.basename(path), dir_fd)):
@@ -226,20 +234,43 @@ class WorkerSocketCleanup:
                 emptied_stages.add(node.stage)
             finally:
                 os.close(dir_fd)
-        removed += self._remove_dirs(emptied_stages)
+        removed += self._remove_dirs(emptied_stages, vanished_stages)
         self.done = not self._pending
         return OwnerResult(tuple(removed), tuple(kept), tuple(errors), self.done)
 
-    def _remove_dirs(self, stages: set[int]) -> list[str]:
-        """rmdir stage dirs (then the root) that this call removed a node from and left empty."""
+    def _remove_dirs(self, emptied: set[int], vanished: set[int]) -> list[str]:
+        """rmdir the stage dirs (then the root) that this call emptied of captured nodes.
+
+        Only in the call that saw a captured node go: either we removed it, or
+        its worker did (workers stopping together may each leave the directory
+        to the other). In the second case the directory must still be the one
+        present at capture: a successor's re-created directory is not ours.
+        """
         out: list[str] = []
         root = self.layout.socket_dir(self.name)
-        for stage in sorted(s for s in stages if s > 0):
-            if _rmdir_if_unleased(self.layout.stage_dir(self.name, stage), root):
-                out.append(self.layout.stage_dir(self.name, stage))
-        if stages and _rmdir_if_unleased(root, root):
+
+        def ours(d: str, we_removed: bool) -> bool:
+            return (we_removed and d not in self._dirs) or (d in self._dirs and _dir_identity(d) == self._dirs[d])
+
+        for stage in sorted(s for s in emptied | vanished if s > 0):
+            d = self.layout.stage_dir(self.name, stage)
+            if ours(d, stage in emptied) and _rmdir_if_unleased(d, root):
+                out.append(d)
+        if (emptied or vanished) and ours(root, bool(emptied)) and _rmdir_if_unleased(root, root):
             out.append(root)
         return out
+
+
+def _dir_identity(path: str) -> tuple[tuple[int, int], bytes | None] | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        return (st.st_dev, st.st_ino), fd_handle(fd)
+    finally:
+        os.close(fd)
 
 
 def _rmdir_if_unleased(path: str, lease_dir: str) -> bool:

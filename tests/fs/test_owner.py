@@ -163,3 +163,29 @@ def test_segment_cleanup_keeps_a_segment_a_successor_leased(layout, uniq) -> Non
     with SegmentLease(path):
         r = seg.cleanup()
     assert r.removed == () and os.path.exists(path)
+
+
+def test_directory_left_by_workers_that_removed_their_own_nodes_is_removed(layout, uniq) -> None:
+    # Workers stopping together each see the other's lease and leave the directory;
+    # the owner, seeing its captured nodes gone, removes the directory it captured.
+    for r in range(2):
+        stale_socket(layout.socket_path(uniq, r, 1))
+    socks = WorkerSocketCleanup(layout, uniq, 2, 2)
+    assert socks.capture() == 2
+    for r in range(2):
+        os.unlink(layout.socket_path(uniq, r, 1))
+    r = socks.cleanup()
+    assert r.complete and r.removed == (layout.stage_dir(uniq, 1), layout.socket_dir(uniq))
+    assert not os.path.exists(layout.socket_dir(uniq))
+
+
+def test_a_successors_recreated_directory_is_kept_when_nodes_vanished(layout, uniq) -> None:
+    stale_socket(layout.socket_path(uniq, 0))
+    socks = WorkerSocketCleanup(layout, uniq, 1)
+    socks.capture()
+    os.unlink(layout.socket_path(uniq, 0))
+    os.rmdir(layout.socket_dir(uniq))
+    os.makedirs(layout.socket_dir(uniq))  # a successor, between its makedirs and its bind
+    r = socks.cleanup()
+    assert r.complete and r.removed == ()
+    assert os.path.isdir(layout.socket_dir(uniq))
