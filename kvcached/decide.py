@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 from .facts import START_SLACK, Facts
@@ -72,11 +73,11 @@ class Policy:
     grace: float = DEFAULT_GRACE
     uid: int = -1  # -1: this process's effective uid
 
-    @property
+    @cached_property
     def effective_uid(self) -> int:
         return os.geteuid() if self.uid < 0 else self.uid
 
-    @property
+    @cached_property
     def is_root(self) -> bool:
         return self.effective_uid == 0
 
@@ -93,11 +94,13 @@ def _d(state: State, reason: Reason, detail: str, pids: Sequence[int] = ()) -> D
     return Decision(state, reason, detail, tuple(sorted(pids)))
 
 
+_EXPECTED_TYPE = {Kind.SEGMENT: FileType.REGULAR, Kind.SOCKET: FileType.SOCKET, Kind.DIRECTORY: FileType.DIRECTORY}
+
+
 def _foreign(c: Candidate, policy: Policy) -> Decision | None:
     if c.ftype is FileType.SYMLINK:
         return _d(State.FOREIGN, Reason.SYMLINK, "a symbolic link; never followed")
-    expected = {Kind.SEGMENT: FileType.REGULAR, Kind.SOCKET: FileType.SOCKET,
-                Kind.DIRECTORY: FileType.DIRECTORY}[c.kind]
+    expected = _EXPECTED_TYPE[c.kind]
     if c.ftype is not expected:
         return _d(State.FOREIGN, Reason.WRONG_TYPE, f"a {c.ftype} where a {expected} belongs")
     if c.kind is Kind.SEGMENT:
