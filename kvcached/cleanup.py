@@ -139,10 +139,9 @@ def plan(layout: Layout, policy: Policy | None = None, *, facts: Facts | None = 
 class _Actor:
     """The guarded act; `dry_run` is the one guard, at the removing syscall."""
 
-    def __init__(self, dry_run: bool, deadline: float | None, kinds: set[Kind]) -> None:
+    def __init__(self, dry_run: bool, deadline: float | None) -> None:
         self.dry_run = dry_run
         self.deadline = deadline
-        self.kinds = kinds
         self.entries: list[Entry] = []
         self.timed_out = False
 
@@ -296,7 +295,7 @@ def execute(p: Plan, *, dry_run: bool, time_limit: float | None = None) -> Repor
     """Act on the plan's stale entries only; everything else is reported as kept."""
     started = time.time()
     deadline = time.monotonic() + time_limit if time_limit else None
-    actor = _Actor(dry_run, deadline, set())
+    actor = _Actor(dry_run, deadline)
     for c in p.roots:
         d = p.decisions[c.path]
         if c.kind is Kind.SEGMENT:

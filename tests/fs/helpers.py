@@ -127,3 +127,16 @@ def cleanup_as(user, root: str) -> dict[str, dict]:
     out = run_as(user, CLEANUP_AS_USER, root)
     assert out.returncode == 0, out.stderr
     return {e["path"]: e for e in json.loads(out.stdout)}
+
+
+def stop_one_kill_rest(dep, stage: int = 0, rank: int = 1) -> int:
+    """SIGSTOP one worker of `dep` and SIGKILL every other process; returns the stopped pid."""
+    import signal
+
+    stopped = dep.worker_pids[(stage, rank)]
+    os.kill(stopped, signal.SIGSTOP)
+    for pid in dep.pids:
+        if pid != stopped:
+            dep.signal(pid, signal.SIGKILL)
+    dep.wait(timeout=2)
+    return stopped

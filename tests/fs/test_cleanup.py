@@ -20,7 +20,7 @@ from kvcached.segment import create_segment
 
 from ..conftest import allow_traverse
 from .helpers import (backdate, cleanup_as, live_socket, stale_socket, start_upstream_listener,
-                      upstream_request)
+                      stop_one_kill_rest, upstream_request)
 
 NOW_POLICY = Policy(grace=0)
 
@@ -65,12 +65,7 @@ def test_grace_age_keeps_fresh_state(layout, uniq, deployments) -> None:
 def test_sigstopped_worker_socket_is_kept(layout, uniq, deployments) -> None:
     dep = start_deployment(uniq, tp=2, layout=layout)
     deployments.append(dep)
-    stopped = dep.worker_pids[(0, 1)]
-    os.kill(stopped, signal.SIGSTOP)
-    for pid in dep.pids:
-        if pid != stopped:
-            dep.signal(pid, signal.SIGKILL)
-    dep.wait(timeout=2)
+    stopped = stop_one_kill_rest(dep)
     report = by_path(run_cleanup(layout, NOW_POLICY))
     kept = report[layout.socket_path(uniq, 1)]
     assert (kept.state, kept.action) == (State.LIVE, Action.KEPT)

@@ -11,7 +11,7 @@ from kvcached.ipc.client import ping
 from kvcached.owner import SegmentCleanup, WorkerSocketCleanup
 from kvcached.segment import create_segment
 
-from .helpers import live_socket, stale_socket
+from .helpers import live_socket, stale_socket, stop_one_kill_rest
 
 
 def test_sigkilled_workers_leave_nothing_after_owner_cleanup(layout, uniq, deployments) -> None:
@@ -32,12 +32,7 @@ def test_stopped_worker_keeps_its_socket_until_it_exits_then_retry_removes(layou
     deployments.append(dep)
     socks = WorkerSocketCleanup(layout, uniq, 2)
     socks.capture()
-    stopped = dep.worker_pids[(0, 1)]
-    os.kill(stopped, signal.SIGSTOP)
-    for pid in dep.pids:
-        if pid != stopped:
-            dep.signal(pid, signal.SIGKILL)
-    dep.wait(timeout=2)
+    stopped = stop_one_kill_rest(dep)
     r = socks.cleanup()
     assert not r.complete
     assert r.removed == (layout.socket_path(uniq, 0),)

@@ -7,7 +7,6 @@ import random
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -23,6 +22,8 @@ from kvcached.runtime.pool import (  # noqa: E402
     PoolExhausted,
 )
 from kvcached.segment import create_segment, read_segment  # noqa: E402
+
+from .helpers import wait_for
 
 pytestmark = pytest.mark.ext
 
@@ -154,20 +155,13 @@ def test_raising_the_limit_is_seen_by_the_next_allocation(seg, mapper):
 
 def test_background_thread_premaps_and_follows_the_limit(seg, mapper):
     with KVPool(mapper, GEO, BLOCK, segment_path=seg, prealloc_pages=2, step_interval=0.05) as pool:
-        _wait_for(lambda: pool.stats().prealloc_pages == 2)
+        wait_for(lambda: pool.stats().prealloc_pages == 2)
         pool.alloc(4)                      # takes a pre-mapped page; the thread tops up
-        _wait_for(lambda: pool.stats().prealloc_pages == 2 and pool.stats().mapped_pages == 3)
+        wait_for(lambda: pool.stats().prealloc_pages == 2 and pool.stats().mapped_pages == 3)
         _set_limit_from_another_process(seg, 2 * PB)
-        _wait_for(lambda: pool.stats().mapped_pages == 2, timeout=3.0)
+        wait_for(lambda: pool.stats().mapped_pages == 2, timeout=3.0)
         _assert_consistent(pool, mapper, seg)
 
-
-def _wait_for(cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("publish_interval", [0.0, 60.0])
@@ -264,7 +258,7 @@ def test_threads_and_background_premapping_keep_the_books(seg, mapper):
             t.join()
         assert errors == []
         # Quiescent once the reserve is back to 2 pages: the thread then has nothing to do.
-        _wait_for(lambda: pool.stats().prealloc_pages == 2)
+        wait_for(lambda: pool.stats().prealloc_pages == 2)
         st = pool.step()
         assert st.used_blocks == 0 and st.used_pages == 0 and st.mapped_pages == 2
         _assert_consistent(pool, mapper, seg)

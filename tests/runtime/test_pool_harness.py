@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 
@@ -20,6 +19,8 @@ from kvcached.harness import start_deployment  # noqa: E402
 from kvcached.layout import Layout  # noqa: E402
 from kvcached.runtime.pool import BroadcastMapper  # noqa: E402
 from kvcached.segment import read_segment  # noqa: E402
+
+from .helpers import wait_for
 
 pytestmark = pytest.mark.ext
 
@@ -37,13 +38,6 @@ def layout():
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _wait_for(cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
-
 
 def _rss_shmem_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
@@ -55,7 +49,7 @@ def test_deployment_pool_shows_real_use_and_obeys_kvctl_limit(layout):
     seg = layout.segment_path(name)
     with start_deployment(name, tp=2, layout=layout, pool=True, limit=64 * MiB) as dep:
         # The engine's pool fills 4 pages and keeps 1 pre-mapped, on both workers.
-        _wait_for(lambda: read_segment(seg).prealloc == PAGE_BYTES)
+        wait_for(lambda: read_segment(seg).prealloc == PAGE_BYTES)
         assert read_segment(seg).used == 4 * PAGE_BYTES
         mapper = BroadcastMapper(layout, name, tp_size=2)
         maps = list(mapper.mapped_pages().values())
@@ -68,7 +62,7 @@ def test_deployment_pool_shows_real_use_and_obeys_kvctl_limit(layout):
         assert res.returncode == 0, res.stderr
         assert read_segment(seg).total == 16 * MiB
         # Within one pool step (0.1 s), the pre-mapped page goes on both workers.
-        _wait_for(lambda: read_segment(seg).prealloc == 0, timeout=5.0)
+        wait_for(lambda: read_segment(seg).prealloc == 0, timeout=5.0)
         maps = list(mapper.mapped_pages().values())
         assert maps[0] == maps[1] and len(maps[0]) == 4
         assert read_segment(seg).used == 4 * PAGE_BYTES

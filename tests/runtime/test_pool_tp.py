@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -28,6 +27,8 @@ from kvcached.runtime.pool import (  # noqa: E402
     start_engine_pool,
 )
 from kvcached.segment import create_segment, read_segment  # noqa: E402
+
+from .helpers import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.ext
 
@@ -149,7 +150,7 @@ def test_engine_pool_follows_kvctl_limit_across_workers(workers, layout):
     mapper = pool.mapper
     assert isinstance(mapper, BroadcastMapper)
     try:
-        _wait_for(lambda: read_segment(workers.segment).prealloc == 2 * pb)
+        wait_for(lambda: read_segment(workers.segment).prealloc == 2 * pb)
         assert read_segment(workers.segment).used == 2 * pb
         assert list(mapper.mapped_pages().values()) == [pool.mapped_pages()] * 2
         assert len(pool.mapped_pages()) == 4
@@ -157,7 +158,7 @@ def test_engine_pool_follows_kvctl_limit_across_workers(workers, layout):
         # `kvctl limit` from another process: the background step releases the reserve.
         code = "import sys; from kvcached.segment import write_segment; write_segment(sys.argv[1], total=int(sys.argv[2]))"
         subprocess.run([sys.executable, "-c", code, workers.segment, str(3 * pb)], check=True, timeout=30)
-        _wait_for(lambda: read_segment(workers.segment).prealloc == 1 * pb, timeout=5.0)
+        wait_for(lambda: read_segment(workers.segment).prealloc == 1 * pb, timeout=5.0)
         assert len(pool.mapped_pages()) == 3
         assert list(mapper.mapped_pages().values()) == [pool.mapped_pages()] * 2
     finally:
@@ -166,13 +167,6 @@ def test_engine_pool_follows_kvctl_limit_across_workers(workers, layout):
     info = read_segment(workers.segment)
     assert (info.used, info.prealloc) == (0, 0)
 
-
-def _wait_for(cond, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
 
 
 def test_owner_waits_for_workers_that_create_their_own_tensors(workers, layout):
