@@ -13,7 +13,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from .decide import Decision, Policy, State, decide_tree
 from .facts import Facts, gather_facts
@@ -30,9 +30,12 @@ class Action(StrEnum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One reported piece of state: what it is, what we decided, what we did."""
+class Entry(NamedTuple):
+    """One reported piece of state: what it is, what we decided, what we did.
+
+    Immutable, and a NamedTuple for the reason Candidate is one: a run reports
+    every entry of the node.
+    """
 
     candidate: Candidate
     decision: Decision
@@ -132,7 +135,7 @@ def plan(layout: Layout, policy: Policy | None = None, *, facts: Facts | None = 
     t = time.time() if now is None else now
     decisions: dict[str, Decision] = {}
     for c in roots:
-        decisions.update(decide_tree(c, facts, policy, t))
+        decide_tree(c, facts, policy, t, decisions)
     return Plan(layout, facts, policy, t, roots, decisions, found.errors + facts.errors)
 
 
@@ -235,8 +238,8 @@ class _Actor:
         d = decisions[c.path]
         # Any stale entry below, not only a direct child: a dead worker's node in a
         # stage directory that a live peer still serves from must go too.
-        removable = [x for x in c.walk() if x is not c and decisions[x.path].state is State.STALE]
-        if d.state is not State.STALE and not removable:
+        if d.state is not State.STALE and not any(
+                decisions[x.path].state is State.STALE for x in c.walk() if x is not c):
             self.keep_all(c, decisions)
             return False
         try:

@@ -94,28 +94,52 @@ def _d(state: State, reason: Reason, detail: str, pids: Sequence[int] = ()) -> D
     return Decision(state, reason, detail, tuple(sorted(pids)))
 
 
+# The outcomes whose wording never varies, built once: most of a full node's
+# entries end in one of these, and a frozen dataclass costs microseconds to build.
+_SYMLINK = _d(State.FOREIGN, Reason.SYMLINK, "a symbolic link; never followed")
+_BAD_HASH = _d(State.FOREIGN, Reason.BAD_HASH, "hash suffix does not match the name")
+_MOUNT_POINT = _d(State.FOREIGN, Reason.MOUNT_POINT, "a mount point; never crossed")
+_WORLD_WRITABLE = _d(State.FOREIGN, Reason.WORLD_WRITABLE, "writable by anyone: its entries may be planted")
+_NOT_PROBED = _d(State.UNKNOWN, Reason.NOT_PROBED, "no listing shows it and it was not probed")
+_LEASE_UNTESTED = _d(State.UNKNOWN, Reason.LEASE_UNTESTED, "its lease could not be tested")
+_NOT_LISTENING = _d(State.STALE, Reason.NOT_LISTENING, "no listener; connect refused")
+_PGID_REUSED = _d(State.STALE, Reason.PGID_REUSED, "its process group id now belongs to a newer group")
+_NO_OWNER = _d(State.STALE, Reason.NO_OWNER, "no lease, holder or process of its deployment")
+_ALL_STALE = _d(State.STALE, Reason.ALL_STALE, "every entry inside is stale")
+_EMPTY_DIR = _d(State.STALE, Reason.EMPTY_DIR, "empty, and no process of its deployment is alive")
+
+
 _EXPECTED_TYPE = {Kind.SEGMENT: FileType.REGULAR, Kind.SOCKET: FileType.SOCKET, Kind.DIRECTORY: FileType.DIRECTORY}
+
+# decide runs once per entry of a full node, and in Python 3.11 each read of an
+# enum member through its class costs a global and an attribute lookup; the
+# members the rules test on every entry are read once, here.
+_SOCKET, _SEGMENT, _DIRECTORY = Kind.SOCKET, Kind.SEGMENT, Kind.DIRECTORY
+_LIVE, _FOREIGN, _UNKNOWN, _YOUNG = State.LIVE, State.FOREIGN, State.UNKNOWN, State.YOUNG
+_SYMLINK_TYPE = FileType.SYMLINK
+_PROBE_LIVE = frozenset({Probe.ACCEPTS, Probe.BUSY})
 
 
 def _foreign(c: Candidate, policy: Policy) -> Decision | None:
-    if c.ftype is FileType.SYMLINK:
-        return _d(State.FOREIGN, Reason.SYMLINK, "a symbolic link; never followed")
-    expected = _EXPECTED_TYPE[c.kind]
+    if c.ftype is _SYMLINK_TYPE:
+        return _SYMLINK
+    kind = c.kind
+    expected = _EXPECTED_TYPE[kind]
     if c.ftype is not expected:
         return _d(State.FOREIGN, Reason.WRONG_TYPE, f"a {c.ftype} where a {expected} belongs")
-    if c.kind is Kind.SEGMENT:
+    if kind is _SEGMENT:
         if c.nlink != 1:
             return _d(State.FOREIGN, Reason.HARD_LINKED, f"{c.nlink} hard links: may be another file's name")
         if c.size not in (0, 24):
             return _d(State.FOREIGN, Reason.BAD_SIZE, f"{c.size} bytes, a segment has 24")
-    if c.kind is Kind.DIRECTORY:
+    elif kind is _DIRECTORY:
         if not c.hash_ok:
-            return _d(State.FOREIGN, Reason.BAD_HASH, "hash suffix does not match the name")
+            return _BAD_HASH
         if c.cross_mount:
-            return _d(State.FOREIGN, Reason.MOUNT_POINT, "a mount point; never crossed")
+            return _MOUNT_POINT
         if c.mode & 0o002:
-            return _d(State.FOREIGN, Reason.WORLD_WRITABLE, "writable by anyone: its entries may be planted")
-    if not policy.is_root and c.uid != policy.effective_uid:
+            return _WORLD_WRITABLE
+    if c.uid != policy.effective_uid and not policy.is_root:
         return _d(State.FOREIGN, Reason.OTHER_USER, f"owned by uid {c.uid}, we are uid {policy.effective_uid}")
     if c.parent_uid is not None and c.uid != c.parent_uid:
         return _d(State.FOREIGN, Reason.OWNER_MISMATCH,
@@ -152,21 +176,22 @@ def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
     if foreign is not None:
         return foreign
 
+    kind = c.kind
     if c.lease:
         pids = [e.pid for e in facts.locks.get(c.ident, ()) if e.pid > 0]
         return _d(State.LIVE, Reason.LEASE_HELD, "a process holds its lease or lock", pids)
-    if c.kind is Kind.SOCKET:
+    if kind is _SOCKET:
         if c.seen_path in facts.listeners:
             return _d(State.LIVE, Reason.LISTENING, "a listener is bound at this path",
                       facts.serving_pids(c.seen_path))
-        if c.probe in (Probe.ACCEPTS, Probe.BUSY):
+        if c.probe in _PROBE_LIVE:
             return _d(State.LIVE, Reason.ACCEPTS, f"accepts connections ({c.probe})")
-    if c.kind is Kind.SEGMENT:
+    elif kind is _SEGMENT:
         holders = [p.pid for p in facts.holders_of_file(c.ident)]
         if holders:
             return _d(State.LIVE, Reason.HELD_OPEN, "held open or mapped", holders)
-    if c.kind is Kind.DIRECTORY:
-        live = [d for d in children if d.state is State.LIVE]
+    else:
+        live = [d for d in children if d.state is _LIVE]
         if live:
             pids = sorted({p for d in live for p in d.pids})
             return _d(State.LIVE, Reason.CHILD_LIVE, f"{len(live)} live entr{'y' if len(live) == 1 else 'ies'} inside", pids)
@@ -174,52 +199,50 @@ def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
     if alive is not None:
         return alive
 
-    if c.kind is Kind.SOCKET:
+    if kind is _SOCKET:
         if facts.unreadable_netns:
             return _d(State.UNKNOWN, Reason.NETNS_UNREADABLE,
                       f"{len(facts.unreadable_netns)} network namespace(s) could not be read")
         if c.probe is None:
-            return _d(State.UNKNOWN, Reason.NOT_PROBED, "no listing shows it and it was not probed")
+            return _NOT_PROBED
         if c.probe is Probe.DENIED:
             return _d(State.UNKNOWN, Reason.PROBE_DENIED, f"connect probe not permitted ({c.probe_errno})")
         if c.probe is Probe.ERROR:
             return _d(State.UNKNOWN, Reason.PROBE_ERROR, f"connect probe failed ({c.probe_errno})")
-    if c.kind is Kind.SEGMENT and c.lease is None:
-        return _d(State.UNKNOWN, Reason.LEASE_UNTESTED, "its lease could not be tested")
+    elif kind is _SEGMENT and c.lease is None:
+        return _LEASE_UNTESTED
     blind = facts.blind_spots(c.uid, c.mtime)
     if blind:
         return _d(State.UNKNOWN, Reason.PROC_INCOMPLETE,
                   "processes that could own it could not be fully read", blind)
-    if c.kind is Kind.DIRECTORY:
-        for state, reason in ((State.UNKNOWN, Reason.CHILD_UNKNOWN), (State.YOUNG, Reason.CHILD_YOUNG)):
+    if kind is _DIRECTORY:
+        for state, reason in ((_UNKNOWN, Reason.CHILD_UNKNOWN), (_YOUNG, Reason.CHILD_YOUNG)):
             hits = [d for d in children if d.state is state]
             if hits:
                 return _d(state, reason, f"{len(hits)} {state} entr{'y' if len(hits) == 1 else 'ies'} inside")
-        if c.extras or any(d.state is State.FOREIGN for d in children):
-            n = len(c.extras) + sum(d.state is State.FOREIGN for d in children)
+        if c.extras or any(d.state is _FOREIGN for d in children):
+            n = len(c.extras) + sum(d.state is _FOREIGN for d in children)
             return _d(State.FOREIGN, Reason.CONTAINS_FOREIGN, f"holds {n} entr{'y' if n == 1 else 'ies'} not ours")
 
     age = now - c.mtime
     if age < policy.grace:
         return _d(State.YOUNG, Reason.YOUNG, f"changed {age:.0f}s ago, grace is {policy.grace:.0f}s")
-    if c.kind is Kind.SOCKET:
-        return _d(State.STALE, Reason.NOT_LISTENING, "no listener; connect refused")
-    if c.kind is Kind.SEGMENT:
-        if pgid_reused:
-            return _d(State.STALE, Reason.PGID_REUSED, "its process group id now belongs to a newer group")
-        return _d(State.STALE, Reason.NO_OWNER, "no lease, holder or process of its deployment")
-    if children:
-        return _d(State.STALE, Reason.ALL_STALE, "every entry inside is stale")
-    return _d(State.STALE, Reason.EMPTY_DIR, "empty, and no process of its deployment is alive")
+    if kind is _SOCKET:
+        return _NOT_LISTENING
+    if kind is _SEGMENT:
+        return _PGID_REUSED if pgid_reused else _NO_OWNER
+    return _ALL_STALE if children else _EMPTY_DIR
 
 
-def decide_tree(c: Candidate, facts: Facts, policy: Policy, now: float) -> dict[str, Decision]:
-    """Decide a candidate and everything below it; keyed by path."""
-    out: dict[str, Decision] = {}
-    child_decisions = []
-    for child in c.children:
-        sub = decide_tree(child, facts, policy, now)
-        out.update(sub)
-        child_decisions.append(sub[child.path])
-    out[c.path] = decide(c, facts, policy, now, child_decisions)
+def decide_tree(c: Candidate, facts: Facts, policy: Policy, now: float,
+                out: dict[str, Decision] | None = None) -> dict[str, Decision]:
+    """Decide a candidate and everything below it, keyed by path (added to `out` when given)."""
+    out = {} if out is None else out
+    _decide_into(c, facts, policy, now, out)
     return out
+
+
+def _decide_into(c: Candidate, facts: Facts, policy: Policy, now: float, out: dict[str, Decision]) -> Decision:
+    children = [_decide_into(child, facts, policy, now, out) for child in c.children]
+    d = out[c.path] = decide(c, facts, policy, now, children)
+    return d

@@ -16,6 +16,9 @@ from typing import Any, Callable
 
 AT_EMPTY_PATH = 0x1000
 MAX_HANDLE_SZ = 128
+# struct file_handle: u32 handle_bytes, i32 handle_type, then the opaque bytes.
+_HEADER = 8
+_CAPACITY = MAX_HANDLE_SZ.to_bytes(4, "little")
 
 _local = threading.local()
 _api: dict[str, Any] = {}
@@ -27,58 +30,52 @@ def _load() -> Callable[..., int] | None:
         return _api["fn"]  # type: ignore[no-any-return]
     import ctypes
 
-    class FileHandle(ctypes.Structure):
-        _fields_ = [("handle_bytes", ctypes.c_uint), ("handle_type", ctypes.c_int),
-                    ("f_handle", ctypes.c_ubyte * MAX_HANDLE_SZ)]
-
     fn: Any = None
     try:
         # CDLL(None): the symbols already linked into this process, libc among them
         # (ctypes.util.find_library would run ldconfig in a subprocess).
-        fn = ctypes.CDLL(None, use_errno=True).name_to_handle_at
-        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        fn = ctypes.CDLL(None).name_to_handle_at
+        # No argtypes: every argument is already an int, bytes or a ctypes buffer,
+        # which ctypes passes as they are; declared argtypes double the call's cost,
+        # and a scan takes a handle per entry.
         fn.restype = ctypes.c_int
     except (OSError, AttributeError):
         fn = None
-    _api.update(fn=fn, ctypes=ctypes, FileHandle=FileHandle)
+    _api.update(fn=fn, ctypes=ctypes)
     return fn  # type: ignore[no-any-return]
 
 
-def _buffers() -> tuple[Any, Any, Any, Any]:
-    # One handle buffer per thread, reused: scans take a handle per entry, and
-    # building ctypes objects per call costs more than the syscall itself.
+def _buffers() -> tuple[Any, Any]:
+    # One handle buffer per thread, reused: building ctypes objects per call
+    # costs more than the syscall itself.
     bufs = getattr(_local, "bufs", None)
     if bufs is None:
         ctypes = _api["ctypes"]
-        fh, mount_id = _api["FileHandle"](), ctypes.c_int()
-        bufs = _local.bufs = (fh, ctypes.byref(fh), ctypes.byref(mount_id),
-                              ctypes.cast(ctypes.byref(fh, 8), ctypes.POINTER(ctypes.c_char)))
-    return bufs
+        bufs = _local.bufs = ((ctypes.c_char * (_HEADER + MAX_HANDLE_SZ))(), ctypes.byref(ctypes.c_int()))
+    return bufs  # type: ignore[no-any-return]
+
+
+def _handle(fn: Callable[..., int], dir_fd: int, name: bytes, flags: int) -> bytes | None:
+    buf, mount_id = _buffers()
+    buf[0:4] = _CAPACITY
+    if fn(dir_fd, name, buf, mount_id, flags) != 0:
+        return None
+    raw = buf.raw
+    # handle_type and the opaque bytes: together they name the inode and its generation.
+    return raw[4:_HEADER + int.from_bytes(raw[0:4], "little")]
 
 
 def file_handle(name: str, dir_fd: int) -> bytes | None:
     """The kernel file handle of `name` in `dir_fd`, not following links; None where unsupported."""
     fn = _load()
-    if fn is None:
-        return None
-    fh, fh_ref, mount_ref, data = _buffers()
-    fh.handle_bytes = MAX_HANDLE_SZ
     # Without AT_SYMLINK_FOLLOW, name_to_handle_at does not follow a final symlink.
-    if fn(dir_fd, os.fsencode(name), fh_ref, mount_ref, 0) != 0:
-        return None
-    return fh.handle_type.to_bytes(4, "little", signed=True) + data[:fh.handle_bytes]  # type: ignore[no-any-return]
+    return None if fn is None else _handle(fn, dir_fd, os.fsencode(name), 0)
 
 
 def fd_handle(fd: int) -> bytes | None:
     """The file handle of an open fd (AT_EMPTY_PATH)."""
     fn = _load()
-    if fn is None:
-        return None
-    fh, fh_ref, mount_ref, data = _buffers()
-    fh.handle_bytes = MAX_HANDLE_SZ
-    if fn(fd, b"", fh_ref, mount_ref, AT_EMPTY_PATH) != 0:
-        return None
-    return fh.handle_type.to_bytes(4, "little", signed=True) + data[:fh.handle_bytes]  # type: ignore[no-any-return]
+    return None if fn is None else _handle(fn, fd, b"", AT_EMPTY_PATH)
 
 
 def same_file(a: bytes | None, b: bytes | None) -> bool:

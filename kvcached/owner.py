@@ -16,7 +16,7 @@ import os
 import stat
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .decide import Policy, State, decide
 from .facts import listening_facts
@@ -214,7 +214,7 @@ class WorkerSocketCleanup:
                                deployment=self.name, rank=node.rank, stage=node.stage)
                 if c.seen_path not in facts.listeners and not facts.unreadable_netns:
                     probe, perr = probe_socket(path)
-                    c = replace(c, probe=probe, probe_errno=perr)
+                    c = c._replace(probe=probe, probe_errno=perr)
                 d = decide(c, facts, policy, now)
                 if d.state is not State.STALE:
                     kept.append((path, f"{d.state}: {d.detail}"))
