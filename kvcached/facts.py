@@ -10,6 +10,7 @@ import errno
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .lease import LockEntry, read_proc_locks
 from .naming import ENV_NAME, sanitize
@@ -23,9 +24,12 @@ LISTENING = 0x10000  # __SO_ACCEPTCON in /proc/net/unix "Flags"
 _ENV_KEY = ENV_NAME.encode() + b"="
 
 
-@dataclass(frozen=True)
-class ProcessInfo:
-    """One process as /proc showed it; identity is (pid, start_time)."""
+class ProcessInfo(NamedTuple):
+    """One process as /proc showed it; identity is (pid, start_time).
+
+    An immutable NamedTuple, not a frozen dataclass: a pass builds one per
+    process, and a frozen dataclass's __init__ costs microseconds per field set.
+    """
 
     pid: int
     start_time: float  # seconds since the epoch
@@ -159,6 +163,8 @@ class Facts:
         if blind is None:
             blind = self.__dict__["_blind"] = [
                 p for pid in self.unreadable_pids if (p := self.processes.get(pid)) is not None and p.engine_like]
+        if not blind:
+            return []  # the usual case, asked once per candidate
         return [p.pid for p in blind if p.uid == uid and p.start_time <= before + START_SLACK]
 
     def other_mount_namespaces(self) -> set[str]:
@@ -170,12 +176,15 @@ def _read(path: str) -> bytes:
     # read itself, and a pass makes six reads per process.
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        chunks: list[bytes] = []
-        while True:
+        first = os.read(fd, 65536)
+        chunk = os.read(fd, 65536) if first else b""
+        if not chunk:
+            return first  # almost every /proc file: one read, then end of file
+        chunks = [first, chunk]
+        while chunk:
             chunk = os.read(fd, 65536)
-            if not chunk:
-                return b"".join(chunks)
             chunks.append(chunk)
+        return b"".join(chunks)
     finally:
         os.close(fd)
 
@@ -216,18 +225,26 @@ def process_start_time(pid: int, proc_root: str = "/proc") -> float | None:
 
 
 def _status_uid(raw: bytes) -> int:
-    for line in raw.splitlines():
-        if line.startswith(b"Uid:"):
-            return int(line.split()[2])  # effective uid
-    return -1
+    at = raw.find(b"\nUid:")  # never the first line (that is Name:)
+    if at < 0:
+        return -1
+    end = raw.find(b"\n", at + 5)
+    return int(raw[at + 5:end if end >= 0 else len(raw)].split()[1])  # real, effective, saved, fs: the effective
 
 
 def _env_ipc_name(raw: bytes) -> str | None:
-    for item in raw.split(b"\0"):
-        if item.startswith(_ENV_KEY):
-            value = item[len(_ENV_KEY):].decode(errors="replace")
-            return sanitize(value) if value else None
-    return None
+    # One search rather than splitting the whole environment: a pass reads every
+    # process's, and the first KVCACHED_IPC_NAME= item is the one getenv returns.
+    if raw.startswith(_ENV_KEY):
+        start = len(_ENV_KEY)
+    else:
+        at = raw.find(b"\0" + _ENV_KEY)
+        if at < 0:
+            return None
+        start = at + 1 + len(_ENV_KEY)
+    end = raw.find(b"\0", start)
+    value = raw[start:end if end >= 0 else len(raw)].decode(errors="replace")
+    return sanitize(value) if value else None
 
 
 def _shm_maps(raw: bytes) -> set[tuple[int, int]]:
@@ -262,10 +279,6 @@ def _scan_fds(fd_dir: str, shm_files: set[tuple[int, int]], sockets: set[int]) -
             shm_files.add((st.st_dev, st.st_ino))
 
 
-class _Gone(Exception):
-    """A per-process file vanished (ENOENT/ESRCH): the process exited during the pass."""
-
-
 def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
     base = f"{proc_root}/{pid}"
     try:
@@ -279,29 +292,41 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
     unreadable: set[str] = set()
     shm: set[tuple[int, int]] = set()
     sockets: set[int] = set()
-
-    def attempt(what: str, read):  # type: ignore[no-untyped-def]
-        try:
-            return read()
-        except OSError as e:
-            if e.errno in (errno.ENOENT, errno.ESRCH):
-                raise _Gone from None
-            unreadable.add(what)  # EACCES/EPERM and anything unexpected: we could not see it
-            return None
-
+    # Straight-line reads, no helper closures: this runs once per process on the node.
+    ipc_name = None
     try:
-        raw_env = attempt("environ", lambda: _read(f"{base}/environ"))
-        ipc_name = _env_ipc_name(raw_env) if raw_env is not None else None
-        attempt("fd", lambda: _scan_fds(f"{base}/fd", shm, sockets))
-        ns = {kind: attempt(f"ns/{kind}", lambda k=kind: os.readlink(f"{base}/ns/{k}")) for kind in ("mnt", "net")}
-    except _Gone:
-        # It exited while we read it: gone, not hidden from us. Counting it as
-        # unreadable would make every candidate of its uid unknown this run.
-        return None
+        ipc_name = _env_ipc_name(_read(f"{base}/environ"))
+    except OSError as e:
+        if _gone(e):
+            return None
+        unreadable.add("environ")  # EACCES/EPERM and anything unexpected: we could not see it
+    try:
+        _scan_fds(f"{base}/fd", shm, sockets)
+    except OSError as e:
+        if _gone(e):
+            return None
+        unreadable.add("fd")
+    ns: dict[str, str | None] = {}
+    for kind in ("mnt", "net"):
+        try:
+            ns[kind] = os.readlink(f"{base}/ns/{kind}")
+        except OSError as e:
+            if _gone(e):
+                return None
+            ns[kind] = None
+            unreadable.add(f"ns/{kind}")
     if not os.path.exists(base):
         return None  # it exited while we read it: what we read may be partial
     return ProcessInfo(pid, start, ppid, pgid, uid, comm, cmdline, ipc_name,
                        frozenset(sockets), frozenset(shm), ns["mnt"], ns["net"], frozenset(unreadable))
+
+
+def _gone(e: OSError) -> bool:
+    """The process exited during the pass (ENOENT/ESRCH): gone, not hidden from us.
+
+    Counting it as unreadable would make every candidate of its uid unknown this run.
+    """
+    return e.errno in (errno.ENOENT, errno.ESRCH)
 
 
 def parse_net_unix(raw: bytes) -> list[tuple[int, int, str]]:
