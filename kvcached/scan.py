@@ -299,7 +299,8 @@ def _segment_lease(c: Candidate, facts: Facts) -> bool | None:
     except OSError:
         return None
     try:
-        if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != c.ident:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != c.ident:
             return None
         return ofd_conflict(fd)
     except OSError:
