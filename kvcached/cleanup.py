@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Sequence
 
-from .decide import Decision, Policy, State, decide_tree
+from .decide import Decision, Policy, State, decide_tree, settle
 from .facts import Facts, gather_facts
 from .ident import fd_handle, file_handle, same_file
 from .layout import Layout
@@ -76,6 +76,10 @@ class Plan:
     roots: list[Candidate]
     decisions: dict[str, Decision]
     errors: list[str] = field(default_factory=list)
+    # deployment -> its segment, also when a --kind filter leaves it out of `roots`:
+    # a directory must not outlive the segment whose name it is the only record of
+    segments: dict[str, Candidate] = field(default_factory=dict)
+    matched: int = 0  # top-level entries that matched the names, before any kind filter
 
     def entries(self) -> list[tuple[Candidate, Decision]]:
         return [(c, self.decisions[c.path]) for root in self.roots for c in root.walk()]
@@ -122,21 +126,26 @@ def _matches(c: Candidate, globs: Sequence[str]) -> bool:
 
 def plan(layout: Layout, policy: Policy | None = None, *, facts: Facts | None = None,
          names: Iterable[str] = (), globs: Sequence[str] = (), kinds: Iterable[Kind] = (),
-         now: float | None = None, probe: bool = True, proc_root: str = "/proc") -> Plan:
-    """Scan, gather facts, observe and decide: no side effects beyond the probes DESIGN.md allows."""
+         now: float | None = None, proc_root: str = "/proc") -> Plan:
+    """Scan, gather facts, observe and decide: no side effects (every test it makes is passive)."""
     policy = policy or Policy()
     facts = facts if facts is not None else gather_facts(proc_root)
     extra = set(names) | {p.ipc_name for p in facts.processes.values() if p.ipc_name}
-    found = scan(layout, extra, facts, probe=probe)
-    kinds = set(kinds)
+    found = scan(layout, extra, facts)
     roots = [c for c in found.candidates if _matches(c, globs)]
-    if kinds:
-        roots = [c for c in roots if c.kind in kinds or (Kind.SOCKET in kinds and c.kind is Kind.DIRECTORY)]
     t = time.time() if now is None else now
     decisions: dict[str, Decision] = {}
     for c in roots:
         decide_tree(c, facts, policy, t, decisions)
-    return Plan(layout, facts, policy, t, roots, decisions, found.errors + facts.errors)
+    # Whole deployments are decided before any kind filter: a segment's life may
+    # be proven only by a socket that `--kind segment` does not act on.
+    settle(roots, decisions)
+    segments = {c.deployment: c for c in roots if c.kind is Kind.SEGMENT and c.deployment is not None}
+    matched = len(roots)
+    kinds = set(kinds)
+    if kinds:
+        roots = [c for c in roots if c.kind in kinds or (Kind.SOCKET in kinds and c.kind is Kind.DIRECTORY)]
+    return Plan(layout, facts, policy, t, roots, decisions, found.errors + facts.errors, segments, matched)
 
 
 class _Actor:
@@ -233,8 +242,13 @@ class _Actor:
                 os.close(fd)
             os.close(dir_fd)
 
-    def act_dir(self, parent_fd: int, c: Candidate, decisions: dict[str, Decision], locked: bool) -> bool:
-        """Remove the stale entries of one socket directory; True when it was removed too."""
+    def act_dir(self, parent_fd: int, c: Candidate, decisions: dict[str, Decision], locked: bool,
+                keep_note: str = "") -> bool:
+        """Remove the stale entries of one socket directory; True when it was removed too.
+
+        With `keep_note`, the directory itself stays (its entries may go): it is
+        the only record of a segment that remains.
+        """
         d = decisions[c.path]
         # Any stale entry below, not only a direct child: a dead worker's node in a
         # stage directory that a live peer still serves from must go too.
@@ -274,14 +288,14 @@ class _Actor:
                     emptied |= self.remove(fd, ch, cd)
                 else:
                     self.record(ch, cd, Action.KEPT)
-            if d.state is State.STALE:
+            if d.state is State.STALE and not keep_note:
                 return self.remove(parent_fd, c, d, rmdir=True)
-            self.record(c, d, Action.KEPT)
+            self.record(c, d, Action.KEPT, keep_note if d.state is State.STALE else "")
             return False
         finally:
             os.close(fd)
 
-    def act_root_dir(self, tmp_dir: str, c: Candidate, decisions: dict[str, Decision]) -> None:
+    def act_root_dir(self, tmp_dir: str, c: Candidate, decisions: dict[str, Decision], keep_note: str = "") -> None:
         try:
             tmp_fd = os.open(tmp_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
@@ -289,25 +303,41 @@ class _Actor:
                 self.record(sub, decisions[sub.path], Action.FAILED, f"{tmp_dir}: {e.strerror}")
             return
         try:
-            self.act_dir(tmp_fd, c, decisions, locked=False)
+            self.act_dir(tmp_fd, c, decisions, locked=False, keep_note=keep_note)
         finally:
             os.close(tmp_fd)
 
 
 def execute(p: Plan, *, dry_run: bool, time_limit: float | None = None) -> Report:
-    """Act on the plan's stale entries only; everything else is reported as kept."""
+    """Act on the plan's stale entries only; everything else is reported as kept.
+
+    Segments go first: a socket directory may be the only thing that names its
+    segment (an explicit name on upstream's unmarked file), so a run stopped
+    between the two (killed, `--time-limit`) must leave the directory, never the
+    segment alone. A directory whose segment remains stays for the same reason.
+    """
     started = time.time()
     deadline = time.monotonic() + time_limit if time_limit else None
     actor = _Actor(dry_run, deadline)
+    gone: set[str] = set()
     for c in p.roots:
+        if c.kind is not Kind.SEGMENT:
+            continue
         d = p.decisions[c.path]
-        if c.kind is Kind.SEGMENT:
-            if d.state is State.STALE:
-                actor.act_segment(p.layout.shm_dir, c, d)
-            else:
-                actor.record(c, d, Action.KEPT)
+        if d.state is State.STALE:
+            actor.act_segment(p.layout.shm_dir, c, d)
+            if actor.entries[-1].action in (Action.REMOVED, Action.WOULD_REMOVE):
+                gone.add(c.path)
         else:
-            actor.act_root_dir(p.layout.tmp_dir, c, p.decisions)
+            actor.record(c, d, Action.KEPT)
+    for c in p.roots:
+        if c.kind is Kind.SEGMENT:
+            continue
+        seg = p.segments.get(c.deployment) if c.deployment is not None else None
+        note = ""
+        if seg is not None and seg.path not in gone and p.decisions[seg.path].state is State.STALE:
+            note = f"kept: it names segment {seg.path}, which remains"
+        actor.act_root_dir(p.layout.tmp_dir, c, p.decisions, note)
     return Report(dry_run, actor.entries, list(p.errors), started, time.time(), actor.timed_out)
 
 

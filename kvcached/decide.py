@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from .facts import START_SLACK, Facts
 from .naming import default_name_pgid
-from .scan import Candidate, FileType, Kind, Probe, StrEnum
+from .scan import Candidate, FileType, Kind, StrEnum
+from .sockdiag import Bind
 
 DEFAULT_GRACE = 60.0
 
@@ -31,11 +32,12 @@ class Reason(StrEnum):
     # live
     LEASE_HELD = "lease_held"
     LISTENING = "listening"
-    ACCEPTS = "accepts_connections"
+    BOUND = "bound"
     HELD_OPEN = "held_open"
     OWNER_ALIVE = "owner_alive"
     GROUP_ALIVE = "group_alive"
     CHILD_LIVE = "child_live"
+    DEPLOYMENT_LIVE = "deployment_live"
     # foreign
     SYMLINK = "symlink"
     WRONG_TYPE = "wrong_type"
@@ -49,15 +51,18 @@ class Reason(StrEnum):
     CONTAINS_FOREIGN = "contains_foreign"
     # unknown
     PROC_INCOMPLETE = "proc_incomplete"
-    NETNS_UNREADABLE = "netns_unreadable"
-    PROBE_DENIED = "probe_denied"
-    PROBE_ERROR = "probe_error"
-    NOT_PROBED = "not_probed"
+    BIND_DENIED = "bind_test_denied"
+    BIND_ERROR = "bind_test_failed"
+    NOT_TESTED = "not_tested"
     LEASE_UNTESTED = "lease_untested"
+    PGID_AMBIGUOUS = "pgid_ambiguous"
+    UNNAMED = "unnamed_segment"
     CHILD_UNKNOWN = "child_unknown"
+    DEPLOYMENT_UNKNOWN = "deployment_unknown"
     # young
     YOUNG = "younger_than_grace"
     CHILD_YOUNG = "child_young"
+    DEPLOYMENT_YOUNG = "deployment_young"
     # stale
     NOT_LISTENING = "not_listening"
     NO_OWNER = "no_owner"
@@ -100,11 +105,16 @@ _SYMLINK = _d(State.FOREIGN, Reason.SYMLINK, "a symbolic link; never followed")
 _BAD_HASH = _d(State.FOREIGN, Reason.BAD_HASH, "hash suffix does not match the name")
 _MOUNT_POINT = _d(State.FOREIGN, Reason.MOUNT_POINT, "a mount point; never crossed")
 _WORLD_WRITABLE = _d(State.FOREIGN, Reason.WORLD_WRITABLE, "writable by anyone: its entries may be planted")
-_NOT_PROBED = _d(State.UNKNOWN, Reason.NOT_PROBED, "no listing shows it and it was not probed")
+_BOUND = _d(State.LIVE, Reason.BOUND, "a socket is bound to this file (a listener, or one about to listen)")
+_NOT_TESTED = _d(State.UNKNOWN, Reason.NOT_TESTED, "no listing shows it and it was not tested")
 _LEASE_UNTESTED = _d(State.UNKNOWN, Reason.LEASE_UNTESTED, "its lease could not be tested")
-_NOT_LISTENING = _d(State.STALE, Reason.NOT_LISTENING, "no listener; connect refused")
-_PGID_REUSED = _d(State.STALE, Reason.PGID_REUSED, "its process group id now belongs to a newer group")
-_NO_OWNER = _d(State.STALE, Reason.NO_OWNER, "no lease, holder or process of its deployment")
+_UNNAMED = _d(State.UNKNOWN, Reason.UNNAMED,
+              "only its shape (24 bytes, a positive limit) says kvcached: no socket directory, process or mark "
+              "names it; name it to remove it (kvctl delete NAME)")
+_NOT_LISTENING = _d(State.STALE, Reason.NOT_LISTENING, "no socket is bound to it (connect refused)")
+_PGID_REUSED = _d(State.STALE, Reason.PGID_REUSED,
+                  "its process group id now belongs to a newer group with no engine-like process")
+_NO_OWNER = _d(State.STALE, Reason.NO_OWNER, "no lease, holder, listener or process of its deployment")
 _ALL_STALE = _d(State.STALE, Reason.ALL_STALE, "every entry inside is stale")
 _EMPTY_DIR = _d(State.STALE, Reason.EMPTY_DIR, "empty, and no process of its deployment is alive")
 
@@ -117,7 +127,7 @@ _EXPECTED_TYPE = {Kind.SEGMENT: FileType.REGULAR, Kind.SOCKET: FileType.SOCKET, 
 _SOCKET, _SEGMENT, _DIRECTORY = Kind.SOCKET, Kind.SEGMENT, Kind.DIRECTORY
 _LIVE, _FOREIGN, _UNKNOWN, _YOUNG = State.LIVE, State.FOREIGN, State.UNKNOWN, State.YOUNG
 _SYMLINK_TYPE = FileType.SYMLINK
-_PROBE_LIVE = frozenset({Probe.ACCEPTS, Probe.BUSY})
+_BOUND_TEST, _UNBOUND_TEST = Bind.BOUND, Bind.UNBOUND
 
 
 def _foreign(c: Candidate, policy: Policy) -> Decision | None:
@@ -148,30 +158,43 @@ def _foreign(c: Candidate, policy: Policy) -> Decision | None:
 
 
 def _deployment_alive(c: Candidate, facts: Facts) -> tuple[Decision | None, bool]:
-    """Live when a process of the deployment started before the candidate last changed.
+    """What the deployment's processes say: (decision or None, pgid_reused).
 
-    Returns (decision, pgid_reused): PIDs and PGIDs are reused, so a process
-    that started after the last change is no evidence of life.
+    A process that carries the name is the deployment's whenever it started
+    (a same-name successor joins the name). Only the PGID of a default name is
+    ambiguous, because PGIDs are reused: a group that started after the entry
+    last changed proves nothing, and while it holds anything that could be a
+    serve of the same name the entry is unknown, never stale.
     """
     if c.deployment is None:
         return None, False
-    before = c.mtime + START_SLACK
-    named = [p.pid for p in facts.by_ipc_name(c.deployment) if p.start_time <= before]
+    named = [p.pid for p in facts.by_ipc_name(c.deployment)]
     if named:
-        return _d(State.LIVE, Reason.OWNER_ALIVE, "a process of this deployment is alive", named), False
+        return _d(State.LIVE, Reason.OWNER_ALIVE, "a process carrying this deployment's name is alive", named), False
     pgid = default_name_pgid(c.deployment)
-    if pgid is not None:
-        group = facts.by_pgid(pgid)
-        older = [p.pid for p in group if p.start_time <= before]
-        if older:
-            return _d(State.LIVE, Reason.GROUP_ALIVE, f"process group {pgid} is alive", older), False
-        return None, bool(group)
-    return None, False
+    if pgid is None:
+        return None, False
+    group = facts.by_pgid(pgid)
+    if not group:
+        return None, False
+    before = c.mtime + START_SLACK
+    older = [p.pid for p in group if p.start_time <= before]
+    if older:
+        return _d(State.LIVE, Reason.GROUP_ALIVE, f"process group {pgid} is alive", older), False
+    engines = [p.pid for p in group if p.engine_like]
+    if engines:
+        return _d(State.UNKNOWN, Reason.PGID_AMBIGUOUS,
+                  f"process group {pgid} started after this entry last changed, but may be a new serve of "
+                  "the same name", engines), False
+    return None, True
 
 
 def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
            children: Sequence[Decision] = ()) -> Decision:
-    """Classify one candidate; for a directory, `children` are its entries' decisions."""
+    """Classify one candidate on its own evidence; for a directory, `children` are its entries' decisions.
+
+    `settle` then lets the evidence of the candidate's deployment speak for it.
+    """
     foreign = _foreign(c, policy)
     if foreign is not None:
         return foreign
@@ -181,12 +204,23 @@ def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
         pids = [e.pid for e in facts.locks.get(c.ident, ()) if e.pid > 0]
         return _d(State.LIVE, Reason.LEASE_HELD, "a process holds its lease or lock", pids)
     if kind is _SOCKET:
-        if c.seen_path in facts.listeners:
-            return _d(State.LIVE, Reason.LISTENING, "a listener is bound at this path",
-                      facts.serving_pids(c.seen_path))
-        if c.probe in _PROBE_LIVE:
-            return _d(State.LIVE, Reason.ACCEPTS, f"accepts connections ({c.probe})")
-    elif kind is _SEGMENT:
+        # A socket node stands on its own evidence: one that no socket is bound to
+        # can never serve again, whichever processes of its deployment are alive.
+        serving = facts.serving_pids(c.ident)
+        if serving or c.ident in facts.listeners:
+            return _d(State.LIVE, Reason.LISTENING, "a listener is bound to this file", serving)
+        if c.bind is _BOUND_TEST:
+            return _BOUND
+        if c.bind is None:
+            return _NOT_TESTED
+        if c.bind is not _UNBOUND_TEST:
+            reason = Reason.BIND_DENIED if c.bind is Bind.DENIED else Reason.BIND_ERROR
+            return _d(State.UNKNOWN, reason, f"could not test whether a socket is bound to it ({c.bind_errno})")
+        age = now - c.mtime
+        if age < policy.grace:
+            return _d(State.YOUNG, Reason.YOUNG, f"changed {age:.0f}s ago, grace is {policy.grace:.0f}s")
+        return _NOT_LISTENING
+    if kind is _SEGMENT:
         holders = [p.pid for p in facts.holders_of_file(c.ident)]
         if holders:
             return _d(State.LIVE, Reason.HELD_OPEN, "held open or mapped", holders)
@@ -199,19 +233,9 @@ def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
     if alive is not None:
         return alive
 
-    if kind is _SOCKET:
-        if facts.unreadable_netns:
-            return _d(State.UNKNOWN, Reason.NETNS_UNREADABLE,
-                      f"{len(facts.unreadable_netns)} network namespace(s) could not be read")
-        if c.probe is None:
-            return _NOT_PROBED
-        if c.probe is Probe.DENIED:
-            return _d(State.UNKNOWN, Reason.PROBE_DENIED, f"connect probe not permitted ({c.probe_errno})")
-        if c.probe is Probe.ERROR:
-            return _d(State.UNKNOWN, Reason.PROBE_ERROR, f"connect probe failed ({c.probe_errno})")
-    elif kind is _SEGMENT and c.lease is None:
+    if kind is _SEGMENT and c.lease is None:
         return _LEASE_UNTESTED
-    blind = facts.blind_spots(c.uid, c.mtime)
+    blind = facts.blind_spots(c.uid)
     if blind:
         return _d(State.UNKNOWN, Reason.PROC_INCOMPLETE,
                   "processes that could own it could not be fully read", blind)
@@ -227,9 +251,9 @@ def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
     age = now - c.mtime
     if age < policy.grace:
         return _d(State.YOUNG, Reason.YOUNG, f"changed {age:.0f}s ago, grace is {policy.grace:.0f}s")
-    if kind is _SOCKET:
-        return _NOT_LISTENING
     if kind is _SEGMENT:
+        if c.by_shape:
+            return _UNNAMED
         return _PGID_REUSED if pgid_reused else _NO_OWNER
     return _ALL_STALE if children else _EMPTY_DIR
 
@@ -246,3 +270,49 @@ def _decide_into(c: Candidate, facts: Facts, policy: Policy, now: float, out: di
     children = [_decide_into(child, facts, policy, now, out) for child in c.children]
     d = out[c.path] = decide(c, facts, policy, now, children)
     return d
+
+
+# How strongly a state keeps an entry: a deployment's segment and directories
+# are kept as strongly as its most strongly kept entry.
+_KEEP_RANK = {State.STALE: 0, State.YOUNG: 1, State.UNKNOWN: 2, State.LIVE: 3}
+_RAISED_REASON = {State.LIVE: Reason.DEPLOYMENT_LIVE, State.UNKNOWN: Reason.DEPLOYMENT_UNKNOWN,
+                  State.YOUNG: Reason.DEPLOYMENT_YOUNG}
+
+
+def settle(roots: Iterable[Candidate], decisions: dict[str, Decision]) -> None:
+    """Let each deployment's strongest evidence keep its segment and directories (DESIGN.md §3).
+
+    A deployment is one thing: while any socket of it is bound, or any entry
+    is held, leased or named by a live process, its segment and directories are
+    live, however old their mtime; while any entry is unknown or young, they
+    are not stale. Sockets keep their own decision: a node no socket is bound
+    to can never serve again, whoever else is alive. Foreign entries are no
+    evidence. Decisions in `decisions` are replaced in place.
+    """
+    members: dict[str, list[Candidate]] = {}
+    for root in roots:
+        if root.deployment is not None and root.hash_ok:
+            members.setdefault(root.deployment, []).extend(root.walk())
+    for cands in members.values():
+        best: Candidate | None = None
+        best_rank = 0
+        for c in cands:
+            rank = _KEEP_RANK.get(decisions[c.path].state, -1)
+            # A directory's own "live/unknown/young entry inside" only repeats its children.
+            if rank > best_rank and decisions[c.path].reason not in _DERIVED:
+                best, best_rank = c, rank
+        if best is None:
+            continue
+        ev = decisions[best.path]
+        what = "its socket" if best.kind is _SOCKET else f"its {best.kind}"
+        raised = _d(ev.state, _RAISED_REASON[ev.state],
+                    f"{what} {best.name} is {ev.state} ({ev.reason}: {ev.detail})", ev.pids)
+        for c in cands:
+            if c.kind is _SOCKET:
+                continue
+            d = decisions[c.path]
+            if _KEEP_RANK.get(d.state, 4) < best_rank:
+                decisions[c.path] = raised
+
+
+_DERIVED = frozenset({Reason.CHILD_LIVE, Reason.CHILD_UNKNOWN, Reason.CHILD_YOUNG})

@@ -20,7 +20,6 @@ from .naming import ENV_NAME, sanitize
 # before a change when it started no later than one second after it.
 START_SLACK = 1.0
 _ENGINE_MARKERS = ("python", "vllm", "sglang", "kvcached", "ray::", "engine", "worker", "pt_")
-LISTENING = 0x10000  # __SO_ACCEPTCON in /proc/net/unix "Flags"
 _ENV_KEY = ENV_NAME.encode() + b"="
 
 
@@ -72,19 +71,22 @@ class Facts:
     my_mnt_ns: str | None
     my_net_ns: str | None
     processes: dict[int, ProcessInfo] = field(default_factory=dict)
-    # seen path -> listening socket inodes bound at it (all readable net namespaces)
-    listeners: dict[str, set[int]] = field(default_factory=dict)
+    # (st_dev, st_ino) of a socket file -> inodes of the listening sockets bound to it,
+    # from sock_diag in every network namespace we could enter (sockdiag.py)
+    listeners: dict[tuple[int, int], set[int]] = field(default_factory=dict)
     # socket inode -> pids holding it
     socket_holders: dict[int, set[int]] = field(default_factory=dict)
     # (st_dev, st_ino) -> locks from /proc/locks; None until first needed (see the `locks` property)
     lock_table: dict[tuple[int, int], list[LockEntry]] | None = None
-    net_namespaces: set[str] = field(default_factory=set)
     unreadable_netns: set[str] = field(default_factory=set)
     unreadable_pids: dict[int, frozenset[str]] = field(default_factory=dict)
     hidepid: bool = False
     errors: list[str] = field(default_factory=list)
     # (st_dev, st_ino) -> pids mapping it; None until first needed (see mapped())
     mapped_files: dict[tuple[int, int], list[int]] | None = None
+    # Indexes built on first use, so that deciding N candidates stays O(processes + N).
+    _index: _Index | None = field(default=None, repr=False, compare=False)
+    _blind: list[ProcessInfo] | None = field(default=None, repr=False, compare=False)
 
     @property
     def locks(self) -> dict[tuple[int, int], list[LockEntry]]:
@@ -97,30 +99,28 @@ class Facts:
             self.lock_table = read_proc_locks(self.proc_root)
         return self.lock_table
 
-    def _index(self) -> dict[str, dict]:
-        # Built once per Facts so that deciding N candidates stays O(processes + N).
-        idx = self.__dict__.get("_idx")
-        if idx is None or idx["n"] != len(self.processes):
-            idx = {"n": len(self.processes), "pgid": defaultdict(list), "name": defaultdict(list),
-                   "file": defaultdict(list)}
+    def _indexed(self) -> _Index:
+        idx = self._index
+        if idx is None or idx.n != len(self.processes):
+            idx = _Index(len(self.processes), defaultdict(list), defaultdict(list), defaultdict(list))
             for p in self.processes.values():
-                idx["pgid"][p.pgid].append(p)
+                idx.pgid[p.pgid].append(p)
                 if p.ipc_name:
-                    idx["name"][p.ipc_name].append(p)
+                    idx.name[p.ipc_name].append(p)
                 for ident in p.shm_files:
-                    idx["file"][ident].append(p)
-            self.__dict__["_idx"] = idx
+                    idx.file[ident].append(p)
+            self._index = idx
         return idx
 
     def by_pgid(self, pgid: int) -> list[ProcessInfo]:
-        return self._index()["pgid"].get(pgid, [])
+        return self._indexed().pgid.get(pgid, [])
 
     def by_ipc_name(self, name: str) -> list[ProcessInfo]:
-        return self._index()["name"].get(name, [])
+        return self._indexed().name.get(name, [])
 
     def holders_of_file(self, ident: tuple[int, int]) -> list[ProcessInfo]:
         """Processes that hold `ident` open or map it."""
-        held = self._index()["file"].get(ident, [])
+        held = self._indexed().file.get(ident, [])
         mapped = [self.processes[pid] for pid in self.mapped().get(ident, ()) if pid in self.processes]
         return held + [p for p in mapped if p not in held] if mapped else held
 
@@ -144,31 +144,37 @@ class Facts:
             for ident in _shm_maps(raw):
                 out.setdefault(ident, []).append(pid)
         self.mapped_files = out
-        self.__dict__.pop("_blind", None)  # new unreadable processes may be blind spots
+        self._blind = None  # new unreadable processes may be blind spots
         return out
 
-    def serving_pids(self, seen_path: str) -> tuple[int, ...]:
+    def serving_pids(self, ident: tuple[int, int]) -> tuple[int, ...]:
+        """PIDs holding a listening socket bound to the file `ident`."""
         pids: set[int] = set()
-        for ino in self.listeners.get(seen_path, ()):
+        for ino in self.listeners.get(ident, ()):
             pids |= self.socket_holders.get(ino, set())
         return tuple(sorted(pids))
 
-    def blind_spots(self, uid: int, before: float) -> list[int]:
-        """Engine-like processes of `uid` that started before `before` and we could not fully read.
+    def blind_spots(self, uid: int) -> list[int]:
+        """Engine-like processes of `uid` that we could not fully read.
 
         Such a process might hold, map or name a candidate without our seeing it,
-        so a candidate it could belong to cannot be proven stale.
+        so a candidate it could belong to cannot be proven stale. When it started
+        says nothing: a same-name successor may have started a second ago.
         """
-        blind = self.__dict__.get("_blind")
+        blind = self._blind
         if blind is None:
-            blind = self.__dict__["_blind"] = [
+            blind = self._blind = [
                 p for pid in self.unreadable_pids if (p := self.processes.get(pid)) is not None and p.engine_like]
         if not blind:
             return []  # the usual case, asked once per candidate
-        return [p.pid for p in blind if p.uid == uid and p.start_time <= before + START_SLACK]
+        return [p.pid for p in blind if p.uid == uid]
 
-    def other_mount_namespaces(self) -> set[str]:
-        return {p.mnt_ns for p in self.processes.values() if p.mnt_ns and p.mnt_ns != self.my_mnt_ns}
+
+class _Index(NamedTuple):
+    n: int  # processes indexed; a Facts built by hand in tests may grow after a first query
+    pgid: dict[int, list[ProcessInfo]]
+    name: dict[str, list[ProcessInfo]]
+    file: dict[tuple[int, int], list[ProcessInfo]]
 
 
 def _read(path: str) -> bytes:
@@ -329,20 +335,6 @@ def _gone(e: OSError) -> bool:
     return e.errno in (errno.ENOENT, errno.ESRCH)
 
 
-def parse_net_unix(raw: bytes) -> list[tuple[int, int, str]]:
-    """(flags, inode, path) for every bound Unix socket in a /proc/<pid>/net/unix listing."""
-    out = []
-    for line in raw.splitlines()[1:]:
-        parts = line.split(None, 7)
-        if len(parts) < 8:
-            continue  # unbound socket: no path column
-        try:
-            out.append((int(parts[3], 16), int(parts[6]), os.fsdecode(parts[7])))
-        except ValueError:
-            continue
-    return out
-
-
 def _hidepid(proc_root: str) -> bool:
     try:
         for line in _read(f"{proc_root}/self/mountinfo").splitlines():
@@ -355,27 +347,27 @@ def _hidepid(proc_root: str) -> bool:
     return False
 
 
+def _listeners_of(netns_path: str | None) -> dict[tuple[int, int], set[int]]:
+    from .sockdiag import listening_sockets
+
+    return listening_sockets(netns_path)
+
+
 def listening_facts(proc_root: str = "/proc") -> Facts:
     """Only this network namespace's listening Unix sockets: what an engine owner needs to
-    tell whether its own workers' nodes are still served, without a full /proc pass."""
+    name who still serves its workers' nodes, without a full /proc pass."""
     import time
 
     facts = Facts(proc_root, time.time(), os.geteuid(), None, None)
-    listeners: dict[str, set[int]] = defaultdict(set)
     try:
-        raw = _read(f"{proc_root}/self/net/unix")
+        facts.listeners = _listeners_of(None)
     except OSError:
         facts.unreadable_netns.add("self")
-        return facts
-    for flags, ino, path in parse_net_unix(raw):
-        if flags & LISTENING and not path.startswith("@"):
-            listeners[path].add(ino)
-    facts.listeners = dict(listeners)
     return facts
 
 
 def gather_facts(proc_root: str = "/proc", *, now: float | None = None) -> Facts:
-    """Read every process and every net namespace's listening Unix sockets once."""
+    """Read every process, and the listening Unix sockets of every network namespace we can enter, once."""
     import time
 
     def my_ns(kind: str) -> str | None:
@@ -393,8 +385,7 @@ def gather_facts(proc_root: str = "/proc", *, now: float | None = None) -> Facts
         facts.errors.append(f"{proc_root}: {e.strerror or e}")
         return facts
     holders: dict[int, set[int]] = defaultdict(set)
-    netns_reader: dict[str, int] = {}
-    unknown_ns_pids: list[int] = []
+    netns_member: dict[str, int] = {}
     for pid in pids:
         info = _read_process(proc_root, pid, btime)
         if info is None:
@@ -404,40 +395,22 @@ def gather_facts(proc_root: str = "/proc", *, now: float | None = None) -> Facts
             facts.unreadable_pids[pid] = info.unreadable
         for ino in info.socket_inodes:
             holders[ino].add(pid)
-        if info.net_ns is not None:
-            netns_reader.setdefault(info.net_ns, pid)
-        else:
-            unknown_ns_pids.append(pid)
+        if info.net_ns is not None and info.net_ns != facts.my_net_ns:
+            netns_member.setdefault(info.net_ns, pid)
     facts.socket_holders = dict(holders)
-    if facts.my_net_ns is not None:
-        netns_reader[facts.my_net_ns] = os.getpid() if proc_root == "/proc" else netns_reader.get(facts.my_net_ns, os.getpid())
-    facts.net_namespaces = set(netns_reader)
-    listeners: dict[str, set[int]] = defaultdict(set)
-    seen_tables: set[bytes] = set()
-
-    def add_table(raw: bytes) -> None:
-        for flags, ino, path in parse_net_unix(raw):
-            if flags & LISTENING and not path.startswith("@"):
-                listeners[path].add(ino)
-
-    for ns, pid in netns_reader.items():
+    listeners: dict[tuple[int, int], set[int]] = defaultdict(set)
+    # Who serves a node only names PIDs; whether it is served at all is the
+    # bind test's (sockdiag.bound), which sees every namespace. So a namespace
+    # we cannot enter (not root) costs names, never safety.
+    sources: list[tuple[str, str | None]] = [(facts.my_net_ns or "self", None)]
+    sources += [(ns, f"{proc_root}/{pid}/ns/net") for ns, pid in sorted(netns_member.items())]
+    for ns, path in sources:
         try:
-            raw = _read(f"{proc_root}/{pid}/net/unix")
+            found = _listeners_of(path)
         except OSError:
             facts.unreadable_netns.add(ns)
             continue
-        seen_tables.add(raw)
-        add_table(raw)
-    # Processes whose namespace link we could not read (not root): read their
-    # listing directly so a foreign namespace's listener is not missed.
-    for pid in unknown_ns_pids:
-        try:
-            raw = _read(f"{proc_root}/{pid}/net/unix")
-        except OSError:
-            facts.unreadable_netns.add(f"pid:{pid}")
-            continue
-        if raw not in seen_tables:
-            seen_tables.add(raw)
-            add_table(raw)
+        for ident, inodes in found.items():
+            listeners[ident] |= inodes
     facts.listeners = dict(listeners)
     return facts

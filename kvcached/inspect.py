@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from .cleanup import Action, Entry, Plan
 from .decide import State
-from .errors import KvcachedError
+from .errors import KvcachedError, SegmentBusy
 from .facts import START_SLACK, Facts, ProcessInfo
 from .layout import Layout
 from .naming import default_name_pgid
@@ -225,11 +225,26 @@ def _newest_change(cands: list[Candidate]) -> float:
     return max((c.mtime for c in cands), default=0.0)
 
 
-def _members(name: str, entries: list[Entry], facts: Facts) -> dict[int, str]:
-    """pid → how it is tied to deployment `name`."""
+def _members(name: str, entries: list[Entry], facts: Facts, roles: dict[int, RoleInfo]) -> dict[int, str]:
+    """pid → how it is tied to deployment `name`.
+
+    The name (its environment), a socket it serves, a file it holds or maps,
+    then the serving processes (API server, engine, workers, by title) in the
+    process group of any of those: a vLLM serve is one group, and the engine
+    that writes upstream's segment between its writes holds nothing.
+    """
     out: dict[int, str] = {}
     for p in facts.by_ipc_name(name):
         out.setdefault(p.pid, "ipc_name")
+    for e in entries:
+        pids = e.decision.pids
+        if e.kind is Kind.SOCKET:
+            pids = pids or facts.serving_pids(e.candidate.ident)
+        elif e.kind is Kind.SEGMENT:
+            pids = pids or tuple(p.pid for p in facts.holders_of_file(e.candidate.ident))
+        for pid in pids:
+            if pid in facts.processes:
+                out.setdefault(pid, "serves" if e.kind is Kind.SOCKET else "holds")
     pgid = default_name_pgid(name)
     if pgid is not None:
         # A reused PGID is a newer group: only processes that started before the
@@ -238,11 +253,10 @@ def _members(name: str, entries: list[Entry], facts: Facts) -> dict[int, str]:
         for p in facts.by_pgid(pgid):
             if not entries or p.start_time <= newest + START_SLACK:
                 out.setdefault(p.pid, "pgid")
-    for e in entries:
-        pids = e.decision.pids or (facts.serving_pids(e.candidate.seen_path) if e.kind is Kind.SOCKET else ())
-        for pid in pids:
-            if pid in facts.processes:
-                out.setdefault(pid, "serves" if e.kind is Kind.SOCKET else "holds")
+    for pgid in sorted({facts.processes[pid].pgid for pid in out}):
+        for p in facts.by_pgid(pgid):
+            if roles[p.pid].role is not Role.OTHER:
+                out.setdefault(p.pid, "group")
     return out
 
 
@@ -305,9 +319,18 @@ def _namespaces(layout: Layout, facts: Facts, roles: dict[int, RoleInfo]) -> lis
     return out
 
 
+# One wait for the whole view, not one per segment: a segment another process
+# keeps locked (a stuck writer, or a planted lock) must not hold a command up,
+# and a thousand of them must not hold it up a thousand times.
+SEGMENT_WAIT = 0.5
+
+
 def build_view(p: Plan, *, read_segments: bool = True, namespaces: bool = True) -> NodeView:
     """Group a plan into deployments with their processes, orphans and other namespaces."""
+    import time
+
     facts = p.facts
+    read_until = time.monotonic() + SEGMENT_WAIT
     roles = {pid: classify_process(info) for pid, info in facts.processes.items()}
     grouped: dict[str, list[Entry]] = {}
     unowned: list[Entry] = []
@@ -319,7 +342,7 @@ def build_view(p: Plan, *, read_segments: bool = True, namespaces: bool = True) 
     deployments = []
     for name in sorted(grouped):
         entries = grouped[name]
-        tied = _members(name, entries, facts)
+        tied = _members(name, entries, facts, roles)
         members = {pid: ProcessView(facts.processes[pid], roles[pid], via) for pid, via in tied.items()}
         procs = []
         for pid in sorted(members):
@@ -330,13 +353,15 @@ def build_view(p: Plan, *, read_segments: bool = True, namespaces: bool = True) 
         if read_segments and seg is not None and seg.candidate.ftype is FileType.REGULAR \
                 and seg.state is not State.FOREIGN:
             try:
-                seg_info = read_segment(seg.path)
+                seg_info = read_segment(seg.path, timeout=max(0.0, read_until - time.monotonic()))
+            except SegmentBusy:
+                seg_err = "locked by another process: values unknown"
             except (KvcachedError, OSError) as err:
                 seg_err = str(err)
         served = {e.path: pids for e in entries if e.kind is Kind.SOCKET
-                  and (pids := facts.serving_pids(e.candidate.seen_path))}
+                  and (pids := facts.serving_pids(e.candidate.ident))}
         deployments.append(DeploymentView(name, _summary_state(entries, procs), tuple(entries), tuple(procs),
                                           seg_info, seg_err, served))
     ns = _namespaces(p.layout, facts, roles) if namespaces else []
-    incomplete = sorted(facts.blind_spots(p.policy.effective_uid, p.now))
+    incomplete = sorted(facts.blind_spots(p.policy.effective_uid))
     return NodeView(p.layout, deployments, unowned, ns, list(p.errors), facts, incomplete)

@@ -23,7 +23,8 @@ from .facts import listening_facts
 from .ident import fd_handle, file_handle, same_file
 from .layout import Layout
 from .lease import _ForkSafe, ofd_conflict
-from .scan import Kind, _candidate, probe_socket
+from .scan import Kind, candidate_from_stat
+from .sockdiag import bound
 
 log = logging.getLogger("kvcached.owner")
 
@@ -210,11 +211,11 @@ class WorkerSocketCleanup:
                     del self._pending[path]  # a successor's node: never ours
                     kept.append((path, "replaced by a successor"))
                     continue
-                c = _candidate(Kind.SOCKET, self.layout, path, os.path.basename(path), st,
+                c = candidate_from_stat(Kind.SOCKET, path, os.path.basename(path), st,
                                deployment=self.name, rank=node.rank, stage=node.stage)
-                if c.seen_path not in facts.listeners and not facts.unreadable_netns:
-                    probe, perr = probe_socket(path)
-                    c = c._replace(probe=probe, probe_errno=perr)
+                if c.ident not in facts.listeners:
+                    test, terr = bound(path, dir_fd)
+                    c = c._replace(bind=test, bind_errno=terr)
                 d = decide(c, facts, policy, now)
                 if d.state is not State.STALE:
                     kept.append((path, f"{d.state}: {d.detail}"))

@@ -1,8 +1,9 @@
 """Scan /tmp and /dev/shm for kvcached state through directory fds, never following a link.
 
 The scan records what is there (type, identity, owner, mode, links, size,
-mtime); `observe` adds the per-candidate signals that need a syscall (lease
-tests, connect probes). Neither decides anything.
+mtime); with facts it also takes the per-candidate signals that need a
+syscall (lease tests, the passive bind test of socket nodes). It decides
+nothing.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from . import naming
 from .facts import Facts
 from .ident import file_handle
 from .lease import ofd_conflict
-from .layout import Layout, SUN_PATH_MAX
-from .segment import SEGMENT_SIZE, has_mark
+from .layout import Layout
+from .segment import SEGMENT_SIZE, has_mark, peek_limit
+from .sockdiag import Bind, bound
 
 
 class StrEnum(str, Enum):
@@ -45,17 +47,6 @@ class FileType(StrEnum):
     OTHER = "other"
 
 
-class Probe(StrEnum):
-    """Outcome of a non-blocking connect to a socket node that no listing shows."""
-
-    ACCEPTS = "accepts"    # connected: something listens
-    BUSY = "busy"          # EAGAIN: listening with a full backlog
-    REFUSED = "refused"    # ECONNREFUSED: nobody listens
-    DENIED = "denied"      # EACCES/EPERM
-    GONE = "gone"          # ENOENT
-    ERROR = "error"        # anything else
-
-
 _FILE_TYPES = {stat.S_IFLNK: FileType.SYMLINK, stat.S_IFREG: FileType.REGULAR, stat.S_IFSOCK: FileType.SOCKET,
                stat.S_IFDIR: FileType.DIRECTORY, stat.S_IFIFO: FileType.FIFO, stat.S_IFCHR: FileType.DEVICE,
                stat.S_IFBLK: FileType.DEVICE}
@@ -75,7 +66,6 @@ class Candidate(NamedTuple):
 
     kind: Kind
     path: str                    # where we reach it (under --root / /proc/PID/root)
-    seen_path: str               # how the node's processes name it
     name: str                    # last path component
     deployment: str | None
     ftype: FileType
@@ -94,8 +84,9 @@ class Candidate(NamedTuple):
     children: tuple["Candidate", ...] = ()
     extras: tuple[str, ...] = ()   # names inside a socket directory that are not ours
     lease: bool | None = None      # a lease or lock observed on it (None: not tested)
-    probe: Probe | None = None     # connect probe result (sockets no listing shows)
-    probe_errno: str | None = None
+    bind: Bind | None = None       # bind test of a socket node no listing shows (None: not tested)
+    bind_errno: str | None = None
+    by_shape: bool = False         # a segment found only by its shape: nothing names it
 
     def walk(self) -> Iterable["Candidate"]:
         """This candidate and every candidate below it, children first."""
@@ -114,9 +105,10 @@ def _open_dir(path: str, dir_fd: int | None = None) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
 
 
-def _candidate(kind: Kind, layout: Layout, path: str, name: str, st: os.stat_result, *,
-               handle: bytes | None = None, seen_path: str | None = None, **kw: object) -> Candidate:
-    return Candidate(kind=kind, path=path, seen_path=seen_path or layout.seen_path(path), name=name,
+def candidate_from_stat(kind: Kind, path: str, name: str, st: os.stat_result, *,
+                        handle: bytes | None = None, **kw: object) -> Candidate:
+    """A candidate of `kind` at `path` as `st` (an lstat of it) describes it."""
+    return Candidate(kind=kind, path=path, name=name,
                      ftype=file_type(st.st_mode), ident=(st.st_dev, st.st_ino), handle=handle, uid=st.st_uid,
                      mode=stat.S_IMODE(st.st_mode), nlink=st.st_nlink, size=st.st_size,
                      mtime=st.st_mtime, **kw)  # type: ignore[arg-type]
@@ -125,24 +117,22 @@ def _candidate(kind: Kind, layout: Layout, path: str, name: str, st: os.stat_res
 class _Observer:
     """Signals that need a syscall, taken while the scan builds each candidate (no second pass)."""
 
-    def __init__(self, facts: Facts | None, probe: bool) -> None:
+    def __init__(self, facts: Facts | None) -> None:
         self.facts = facts
-        self.probe = probe
 
     def dir_lease(self, ident: tuple[int, int], inherited: bool) -> bool | None:
         if self.facts is None:
             return None
         return inherited or ident in self.facts.locks
 
-    def socket(self, path: str, seen: str, st: os.stat_result) -> tuple[Probe | None, str | None]:
+    def socket(self, path: str, dir_fd: int, st: os.stat_result) -> tuple[Bind | None, str | None]:
         f = self.facts
-        if (f is None or not self.probe or not stat.S_ISSOCK(st.st_mode) or seen in f.listeners
-                or f.unreadable_netns):
+        if f is None or not stat.S_ISSOCK(st.st_mode) or (st.st_dev, st.st_ino) in f.listeners:
             return None, None
-        return probe_socket(path)
+        return bound(path, dir_fd)
 
 
-def _scan_socket_dir(layout: Layout, parent_fd: int, parent_st: os.stat_result, name: str, path: str,
+def _scan_socket_dir(parent_fd: int, parent_st: os.stat_result, name: str, path: str,
                      deployment: str, hash_ok: bool, stage: int | None, errors: list[str],
                      obs: _Observer, inherited: bool = False) -> Candidate:
     st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
@@ -151,17 +141,17 @@ def _scan_socket_dir(layout: Layout, parent_fd: int, parent_st: os.stat_result, 
                   parent_uid=parent_st.st_uid if stage is not None else None,
                   cross_mount=st.st_dev != parent_st.st_dev, lease=lease)
     if not stat.S_ISDIR(st.st_mode) or st.st_dev != parent_st.st_dev or not hash_ok:
-        return _candidate(Kind.DIRECTORY, layout, path, name, st, **common)
+        return candidate_from_stat(Kind.DIRECTORY, path, name, st, **common)
     try:
         fd = _open_dir(name, parent_fd)
     except OSError as e:
         errors.append(f"{path}: {e.strerror}")
-        return _candidate(Kind.DIRECTORY, layout, path, name, st, **common)
+        return candidate_from_stat(Kind.DIRECTORY, path, name, st, **common)
     try:
         fst = os.fstat(fd)
         if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
             errors.append(f"{path}: replaced during the scan")
-            return _candidate(Kind.DIRECTORY, layout, path, name, st, **common)
+            return candidate_from_stat(Kind.DIRECTORY, path, name, st, **common)
         children: list[Candidate] = []
         extras: list[str] = []
         for entry in sorted(os.listdir(fd)):
@@ -174,34 +164,35 @@ def _scan_socket_dir(layout: Layout, parent_fd: int, parent_st: os.stat_result, 
                 continue
             rank = naming.parse_socket_name(entry)
             if rank is not None:
-                seen = layout.seen_path(child_path)
-                probe, perr = (None, None) if lease else obs.socket(child_path, seen, cst)
-                children.append(_candidate(Kind.SOCKET, layout, child_path, entry, cst, deployment=deployment,
+                test, terr = (None, None) if lease else obs.socket(child_path, fd, cst)
+                children.append(candidate_from_stat(Kind.SOCKET, child_path, entry, cst, deployment=deployment,
                                             rank=rank, stage=stage or 0, parent_uid=fst.st_uid,
                                             handle=file_handle(entry, fd), lease=True if lease else None,
-                                            probe=probe, probe_errno=perr, seen_path=seen))
+                                            bind=test, bind_errno=terr))
                 continue
             sub_stage = naming.parse_stage_name(entry) if stage is None else None
             if sub_stage is not None:
-                children.append(_scan_socket_dir(layout, fd, fst, entry, child_path, deployment, True,
+                children.append(_scan_socket_dir(fd, fst, entry, child_path, deployment, True,
                                                  sub_stage, errors, obs, bool(lease)))
             else:
                 extras.append(entry)
-        return _candidate(Kind.DIRECTORY, layout, path, name, st, children=tuple(children),
+        return candidate_from_stat(Kind.DIRECTORY, path, name, st, children=tuple(children),
                           extras=tuple(extras), **common)
     finally:
         os.close(fd)
 
 
-def scan(layout: Layout, names: Iterable[str] = (), facts: Facts | None = None, *,
-         probe: bool = True) -> ScanResult:
+def scan(layout: Layout, names: Iterable[str] = (), facts: Facts | None = None) -> ScanResult:
     """Find every socket directory and every segment that the naming rules or `names` tie to kvcached.
 
-    With `facts`, each candidate is observed as it is found (leases, and connect
-    probes of socket nodes that no complete listing shows).
+    Also every segment-shaped file in /dev/shm that nothing names (24 bytes,
+    a positive limit: what upstream's `kvctl list` shows), marked `by_shape`,
+    so that a segment whose socket directory is gone stays visible.
+    With `facts`, each candidate is observed as it is found (leases, and the
+    bind test of socket nodes that no listing shows).
     """
     result = ScanResult()
-    obs = _Observer(facts, probe)
+    obs = _Observer(facts)
     wanted = {n for n in names if naming.is_valid_name(n)}
     try:
         tmp_fd = _open_dir(layout.tmp_dir)
@@ -219,7 +210,7 @@ def scan(layout: Layout, names: Iterable[str] = (), facts: Facts | None = None, 
                 dep, hash_ok = parsed
                 try:
                     result.candidates.append(_scan_socket_dir(
-                        layout, tmp_fd, tmp_st, entry, os.path.join(layout.tmp_dir, entry), dep, hash_ok,
+                        tmp_fd, tmp_st, entry, os.path.join(layout.tmp_dir, entry), dep, hash_ok,
                         None, result.errors, obs))
                 except FileNotFoundError:
                     continue
@@ -242,51 +233,25 @@ def scan(layout: Layout, names: Iterable[str] = (), facts: Facts | None = None, 
                 st = os.stat(entry, dir_fd=shm_fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if not named and not (stat.S_ISREG(st.st_mode) and st.st_size == SEGMENT_SIZE
-                                  and st.st_nlink == 1 and has_mark(entry, shm_fd)):
-                continue  # a file of someone else's with an innocent name
-            c = _candidate(Kind.SEGMENT, layout, os.path.join(layout.shm_dir, entry), entry, st,
-                           deployment=entry, handle=file_handle(entry, shm_fd))
+            by_shape = False
+            if not named:
+                if not (stat.S_ISREG(st.st_mode) and st.st_size == SEGMENT_SIZE and st.st_nlink == 1):
+                    continue  # a file of someone else's with an innocent name
+                if not has_mark(entry, shm_fd):
+                    # Upstream's segments carry no mark: one whose socket directory is
+                    # gone (a gc cut short, systemd-tmpfiles) is known by its shape alone.
+                    limit = peek_limit(entry, shm_fd, st)
+                    if limit is None or limit <= 0:
+                        continue
+                    by_shape = True
+            c = candidate_from_stat(Kind.SEGMENT, os.path.join(layout.shm_dir, entry), entry, st,
+                           deployment=entry, handle=file_handle(entry, shm_fd), by_shape=by_shape)
             if facts is not None and c.ftype is FileType.REGULAR and c.nlink == 1:
                 c = c._replace(lease=_segment_lease(c, facts))
             result.candidates.append(c)
     finally:
         os.close(shm_fd)
     return result
-
-
-def probe_socket(path: str) -> tuple[Probe, str | None]:
-    """Non-blocking connect; only for nodes that no passive listing shows (LAYOUT.md §3)."""
-    import socket  # here, not at import: kvctl on a clean node never probes
-    target = path
-    dir_fd = -1
-    if len(os.fsencode(path)) >= SUN_PATH_MAX:
-        # Too long for sun_path: reach it through our own fd of its directory.
-        try:
-            dir_fd = _open_dir(os.path.dirname(path))
-        except OSError as e:
-            return Probe.ERROR, errno.errorcode.get(e.errno or 0, str(e.errno))
-        target = f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}"
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-    try:
-        s.connect(target)
-        return Probe.ACCEPTS, None
-    except OSError as e:
-        code = e.errno or 0
-        name = errno.errorcode.get(code, str(code))
-        if code == errno.ECONNREFUSED:
-            return Probe.REFUSED, name
-        if code in (errno.EAGAIN, errno.EINPROGRESS):
-            return Probe.BUSY, name
-        if code in (errno.EACCES, errno.EPERM):
-            return Probe.DENIED, name
-        if code == errno.ENOENT:
-            return Probe.GONE, name
-        return Probe.ERROR, name
-    finally:
-        s.close()
-        if dir_fd >= 0:
-            os.close(dir_fd)
 
 
 def _segment_lease(c: Candidate, facts: Facts) -> bool | None:

@@ -33,6 +33,24 @@ class SegmentInfo:
     def to_dict(self) -> dict[str, int]:
         return {"limit": self.total, "used": self.used, "prealloc": self.prealloc}
 
+    @property
+    def problems(self) -> tuple[str, ...]:
+        """What no kvcached runtime writes (negative values), and usage above the limit.
+
+        Usage above the limit is possible for a moment (the limit was just
+        lowered below it), so it is reported, not rejected.
+        """
+        out = [f"{label} is negative ({value})" for label, value in
+               (("limit", self.total), ("used", self.used), ("prealloc", self.prealloc)) if value < 0]
+        if not out and self.used + self.prealloc > self.total:
+            out.append(f"used + prealloc ({self.used + self.prealloc}) is over the limit ({self.total})")
+        return tuple(out)
+
+    @property
+    def valid(self) -> bool:
+        """False when a value is negative: not written by a kvcached runtime."""
+        return min(self.total, self.used, self.prealloc) >= 0
+
 
 def _open_checked(path: str, flags: int) -> int:
     try:
@@ -133,6 +151,28 @@ def create_segment(path: str, total: int, *, exist_ok: bool = False) -> SegmentI
     finally:
         os.close(fd)
     return SegmentInfo(total, 0, 0)
+
+
+def peek_limit(name: str, dir_fd: int, st: os.stat_result) -> int | None:
+    """The limit field of the 24-byte file `name` in `dir_fd`, read without a lock; None when unreadable.
+
+    Only to recognise a segment by its shape: a torn read of a value being
+    rewritten costs nothing here, and a lock could make a scan wait.
+    """
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(now.st_mode):
+            return None
+        data = os.pread(fd, 8, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return struct.unpack("=q", data)[0] if len(data) == 8 else None
 
 
 def has_mark(name: str, dir_fd: int) -> bool:

@@ -16,7 +16,7 @@ from ..errors import KvcachedError, ProtocolError, SocketInUse, UnsafeDirectory
 from ..facts import gather_facts
 from ..layout import Layout
 from ..lease import DirLease
-from ..scan import Probe, probe_socket
+from ..sockdiag import Bind, bound
 from .protocol import REPLY, REQUEST, VERSION, encode, recv_frame
 
 log = logging.getLogger("kvcached.ipc")
@@ -101,23 +101,24 @@ class WorkerListener:
             return
         if not stat.S_ISSOCK(st.st_mode):
             raise SocketInUse(self.path, (), "something that is not a socket occupies the path; left alone")
-        facts = gather_facts()
-        seen = self.layout.seen_path(self.path)
-        if seen in facts.listeners:
-            raise SocketInUse(self.path, facts.serving_pids(seen), "a live listener is bound there")
-        result, err = probe_socket(self.path)
-        if result in (Probe.ACCEPTS, Probe.BUSY):
-            raise SocketInUse(self.path, facts.serving_pids(seen), "it accepts connections")
-        if result is Probe.REFUSED:
+        # The passive bind test, never a connect: a same-name upstream worker's
+        # listener dies on a bare connect-and-close (LAYOUT.md §3).
+        result, err = bound(self.path)
+        if result is Bind.BOUND:
+            # A full /proc pass only here, to name who serves it in the error.
+            raise SocketInUse(self.path, gather_facts().serving_pids((st.st_dev, st.st_ino)),
+                              "a socket is bound there")
+        if result is Bind.UNBOUND:
             try:
-                if os.lstat(self.path).st_ino == st.st_ino:
+                cur = os.lstat(self.path)
+                if (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
                     os.unlink(self.path)
                     log.info("removed stale socket %s", self.path)
             except FileNotFoundError:
                 pass
             return
-        if result is not Probe.GONE:
-            raise SocketInUse(self.path, (), f"cannot prove it dead (probe: {err})")
+        if result is not Bind.GONE:
+            raise SocketInUse(self.path, (), f"cannot prove it dead (bind test: {err})")
 
     def start(self) -> "WorkerListener":
         """Create the directory, take the lease, clear a stale node, bind and serve."""

@@ -152,24 +152,32 @@ def test_foreign_types_at_socket_paths_and_linked_segments_untouched(layout, uni
     assert victim.read_bytes() == b"\x01" * 24
 
 
-def test_pgid_named_segment_stale_when_group_is_newer_live_when_older(layout, tmp_path) -> None:
-    group = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
-    try:
-        time.sleep(0.1)
-        older = layout.segment_path(f"kvcached_vLLM_{group.pid}")
-        create_segment(older, 1)
-        backdate(older, 600)  # last changed long before this process group existed: PGID reused
-        p = plan(layout, NOW_POLICY)
-        d = p.decisions[older]
-        assert (d.state, d.reason) == (State.STALE, Reason.PGID_REUSED)
-        os.utime(older)  # now changed after the group started: the group may own it
+def test_pgid_named_segment_when_its_group_is_newer_or_older(layout, tmp_path) -> None:
+    """A PGID is reused: a newer group proves nothing, but may be a new serve of the same name.
+
+    Newer and engine-like (a Python process): unknown, kept. Newer and not
+    engine-like (/bin/sleep can load no kvcached): stale, pgid_reused. Older
+    than the segment's last change: live.
+    """
+    for argv, expect in (([sys.executable, "-c", "import time; time.sleep(60)"], (State.UNKNOWN, Reason.PGID_AMBIGUOUS)),
+                         (["sleep", "60"], (State.STALE, Reason.PGID_REUSED))):
+        group = subprocess.Popen(argv, start_new_session=True)
+        try:
+            time.sleep(0.1)
+            older = layout.segment_path(f"kvcached_vLLM_{group.pid}")
+            create_segment(older, 1)
+            backdate(older, 600)  # last changed long before this process group existed: PGID reused
+            d = plan(layout, NOW_POLICY).decisions[older]
+            assert (d.state, d.reason) == expect, argv
+            os.utime(older)  # now changed after the group started: the group may own it
+            d = plan(layout, NOW_POLICY).decisions[older]
+            assert (d.state, d.reason, d.pids) == (State.LIVE, Reason.GROUP_ALIVE, (group.pid,))
+        finally:
+            group.kill()
+            group.wait()
         d = plan(layout, NOW_POLICY).decisions[older]
-        assert (d.state, d.reason, d.pids) == (State.LIVE, Reason.GROUP_ALIVE, (group.pid,))
-    finally:
-        group.kill()
-        group.wait()
-    d = plan(layout, NOW_POLICY).decisions[older]
-    assert (d.state, d.reason) == (State.STALE, Reason.NO_OWNER)
+        assert (d.state, d.reason) == (State.STALE, Reason.NO_OWNER)
+        os.unlink(older)
 
 
 def test_upstream_listener_survives_scan_and_dry_run(layout, uniq) -> None:
@@ -201,7 +209,7 @@ def test_permission_denied_probe_keeps_node(layout, uniq, unpriv_user) -> None:
     os.chmod(os.path.dirname(path), 0o700)
     backdate(path)
     entries = cleanup_as(unpriv_user, layout.root)
-    assert (entries[path]["state"], entries[path]["reason"]) == ("unknown", "probe_denied")
+    assert (entries[path]["state"], entries[path]["reason"]) == ("unknown", "bind_test_denied")
     assert os.path.lexists(path)
 
 

@@ -80,11 +80,6 @@ SEGMENT_STATES = ["none", "stale", "empty", "lease", "held_open", "mapped", "sto
                   "hardlink", "symlink", "bad_size"]
 DIR_MODES = ["none", "normal", "world_writable", "symlink", "bad_hash", "extras"]
 NAME_KINDS = ["explicit", "explicit", "explicit", "owner_env", "group_alive", "pgid_reused", "default_dead"]
-# Core bugs this suite found that are not fixed yet: the model expects today's
-# behaviour for them (so the property test keeps exploring), and
-# test_regressions.py fails until they are fixed. Empty this when they are.
-# (stage_socket_behind_live_root was one: fixed in 053f8aa; set KVCACHED_KNOWN_BUGS to model one again.)
-KNOWN_BUGS = set(os.environ.get("KVCACHED_KNOWN_BUGS", "").split(",")) - {""}
 # Share of quiet examples that run the installed `kvctl gc` (subprocess, ~1 s each)
 # instead of the library: on by default, off in soak mode unless KVCACHED_SOAK_KVCTL=1.
 KVCTL_SHARE = os.path.exists(KVCTL) and (not SOAK or os.environ.get("KVCACHED_SOAK_KVCTL") == "1")
@@ -374,85 +369,93 @@ class Builder:
         w.stopped_fds = []
 
 
+_RANK = {"stale": 0, "young": 1, "unknown": 2, "live": 3}
+_LIVE_SEGMENTS = ("lease", "held_open", "mapped", "stopped_lease")
+_FOREIGN_SOCKETS = ("symlink", "fifo", "regular", "dir", "other_owner")
+
+
 def _expectations(world: World, infos: list[dict], blind: bool) -> None:
-    """The model: which made path a quiet real run must remove, and why every other one stays."""
+    """The model: which made path a quiet real run must remove, and why every other one stays.
+
+    `blind` (a network namespace we could not read) must change nothing: whether
+    a socket is bound comes from the bind test, which sees every namespace.
+
+    - A socket node stands alone: live when bound (listening, or held by the
+      stopped child) or under its directory's lease; foreign when not a socket of
+      ours; young inside the grace age; else stale, whoever else is alive.
+    - Directories and the segment also count the deployment's processes (its
+      name in an environment, or the PGID of a default name; a newer group of
+      a Python process is ambiguous: unknown).
+    - Then the deployment speaks for its segment and directories: while any of
+      its entries is live (unknown, young) on its own evidence, they are too.
+    """
     for info in infos:
-        dmode, alive, young = info["dir"], info["alive"], info["young"]
+        dmode, alive, young, kind = info["dir"], info["alive"], info["young"], info["kind"]
         leased = info["lease_fd"] is not None
         scanned = dmode in ("normal", "world_writable", "extras")
-        stage_ok: dict[int, bool] = {}
-        for path, (stage, state) in info["sockets"].items():
-            if state == "absent":
-                stage_ok.setdefault(stage, True)
-                continue
-            if state in ("live", "stopped"):
-                why = "live"
-            elif state in ("symlink", "fifo", "regular", "dir", "other_owner"):
-                why = "foreign"
-            elif not scanned:
-                why = "foreign"  # inside a symlinked or bad-hash directory: never entered
-            elif alive:
-                why = "live"
-            elif blind:
-                why = "unknown"
-            elif young:
-                why = "young"
-            elif leased:
-                why = "blocked"  # stale, but the directory's lease blocks removal
-            else:
-                why = "removable"
-            world.add(path, why)
-            stage_ok[stage] = stage_ok.get(stage, True) and why in ("removable", "blocked")
-        if dmode != "none":
-            root_ok = dmode == "normal" and not leased and not alive and not young and all(stage_ok.values())
-            for path in [p for p in info["made"] if os.path.isdir(p) and not os.path.islink(p)
-                         and os.path.basename(p).startswith("pp")]:
-                stage = int(os.path.basename(path)[2:])
-                ok = scanned and not alive and not young and stage_ok.get(stage, True)
-                world.add(path, "kept" if not ok else "blocked" if leased else "removable")
-            if "stage_socket_behind_live_root" in KNOWN_BUGS:
-                _known_bug_stage_sockets(world, info, root_ok)
-            if dmode == "bad_hash":
-                world.add(info["real_root"], "foreign")
-            else:
-                world.add(info["root"], "removable" if root_ok else ("foreign" if dmode != "normal" else "kept"))
-            if dmode == "symlink":
-                secret = os.path.join(os.readlink(info["root"]), "root-secret")
-                world.outside[secret] = (b"do not touch", os.stat(secret).st_mtime)
-        seg = info["segment"]
+        ambiguous = kind == "pgid_reused"  # the group helper is a Python process: it may be a new serve
+        stages = sorted({stage for stage, _ in info["sockets"].values()} - {0})
+        seg, seg_state = info["segment"], info["seg_state"]
         # Explicit names are tied to kvcached by a socket directory of a valid hash, a
         # live process's KVCACHED_IPC_NAME, or our runtime's mark on the segment
         # (create_segment sets it): an unmarked bare explicit segment is not a candidate.
-        marked = info["seg_state"] not in ("none", "hardlink", "symlink", "bad_size", "empty")
+        marked = seg_state not in ("none", "hardlink", "symlink", "bad_size", "empty")
         seg_scanned = (naming.DEFAULT_NAME_RE.match(info["name"]) is not None or alive or marked
                        or dmode in ("normal", "world_writable", "extras", "symlink"))
+        seg_carrier = os.path.lexists(seg) and seg_scanned and seg_state not in ("hardlink", "symlink", "bad_size")
+
+        socks: dict[str, tuple[int, str]] = {}
+        for path, (stage, state) in info["sockets"].items():
+            if state == "absent":
+                continue
+            if state in _FOREIGN_SOCKETS or not scanned:
+                why = "foreign"  # or inside a symlinked / bad-hash directory: never entered
+            elif state in ("live", "stopped") or leased:
+                why = "live"
+            elif young:
+                why = "young"
+            else:
+                why = "stale"
+            socks[path] = (stage, why)
+
+        # Directories that decide on their own (not foreign): the root unless planted, stage dirs when entered.
+        dir_carrier = dmode == "normal" or (scanned and bool(stages))
+        evidence = max([_RANK.get(why, -1) for _, why in socks.values()] + [0])
+        if leased and dir_carrier:
+            evidence = 3
+        if seg_carrier and seg_state in _LIVE_SEGMENTS:
+            evidence = 3
+        if dir_carrier or seg_carrier:
+            evidence = max(evidence, 3 if alive else 2 if ambiguous else 1 if young else 0)
+
+        for path, (_, why) in socks.items():
+            world.add(path, "removable" if why == "stale" else why)
+        stage_removable: dict[int, bool] = {}
+        for stage in stages if dmode != "none" else []:
+            mine = [why for st_, why in socks.values() if st_ == stage]
+            ok = scanned and evidence == 0 and all(w == "stale" for w in mine)
+            stage_removable[stage] = ok
+            world.add(os.path.join(info["real_root"], f"pp{stage}"), "removable" if ok else "kept")
+        if dmode != "none":
+            if dmode == "bad_hash":
+                world.add(info["real_root"], "foreign")
+            elif dmode != "normal":
+                world.add(info["root"], "foreign")
+            else:
+                ok = evidence == 0 and all(why == "stale" for st_, why in socks.values() if st_ == 0) \
+                    and all(stage_removable.values())
+                world.add(info["root"], "removable" if ok else "kept")
+            if dmode == "symlink":
+                secret = os.path.join(os.readlink(info["root"]), "root-secret")
+                world.outside[secret] = (b"do not touch", os.stat(secret).st_mtime)
         if os.path.lexists(seg):
-            st_ = info["seg_state"]
             if not seg_scanned:
                 world.add(seg, "unscanned")
-            elif st_ in ("stale", "empty") and not alive and not young:
-                world.add(seg, "removable")
+            elif not seg_carrier:
+                world.add(seg, "foreign")
             else:
-                world.add(seg, "live" if st_ in ("lease", "held_open", "mapped", "stopped_lease") or alive
-                          else "young" if young else "foreign")
-
-
-def _known_bug_stage_sockets(world: World, info: dict, root_ok: bool) -> None:
-    """Model test_regressions.py::test_stale_socket_in_stage_dir_of_live_deployment_is_removed.
-
-    cleanup._Actor.act_dir enters a socket directory only when it or one of its
-    *direct* children is stale, so a stale pp<k>/w<r>.sock whose root directory
-    holds no stale stage-0 socket and no stale stage directory is never removed.
-    """
-    root = info["root"]
-    direct = [p for p, (stage, _) in info["sockets"].items() if stage == 0]
-    direct += [p for p in info["made"] if os.path.basename(p).startswith("pp") and not os.path.islink(p)]
-    enters = root_ok or any(world.nodes[p].expect in ("removable", "blocked") for p in direct if p in world.nodes)
-    if enters:
-        return
-    for p, (stage, _) in info["sockets"].items():
-        if stage > 0 and p in world.nodes and world.nodes[p].expect == "removable":
-            world.nodes[p].expect = "bug"
+                ok = seg_state in ("stale", "empty") and evidence == 0
+                world.add(seg, "removable" if ok else "kept")
 
 
 def _apply_events(world: World, infos: list[dict], events: list[tuple[str, int, int]]) -> None:
@@ -665,10 +668,8 @@ def _run_example(state: dict, helpers: dict[str, Helper], base_dir: str, note=la
                 assert not os.path.lexists(p), f"{p} reported removed but still there"
             again = execute(plan(world.layout, policy, facts=_facts(blind), now=now), dry_run=True)
             assert not _would(again), f"a second run would remove more: {sorted(_would(again))}"
-            # Stale entries may remain only where the model says a live lease blocks them.
             left = {e.path for e in again.entries if e.state is State.STALE}
-            blocked = {p for p, n in world.nodes.items() if n.expect in ("blocked", "bug")}
-            assert left <= blocked, f"a second run still finds stale entries: {sorted(left - blocked)}"
+            assert not left, f"a second run still finds stale entries: {sorted(left)}"
         else:
             planned = plan(world.layout, policy, facts=_facts(blind), now=now)
             _apply_events(world, infos, state["events"])

@@ -4,24 +4,25 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached.decide import Decision, Policy, Reason, State, decide
+from kvcached.decide import Decision, Policy, Reason, State, decide, settle
 from kvcached.facts import Facts, ProcessInfo
 from kvcached.lease import LockEntry
-from kvcached.scan import Candidate, FileType, Kind, Probe
+from kvcached.scan import Candidate, FileType, Kind
+from kvcached.sockdiag import Bind
 
 NOW = 1_000_000.0
 OLD = NOW - 3600
 ROOT = Policy(grace=60, uid=0)
 USER = Policy(grace=60, uid=1000)
 
-SOCK = Candidate(kind=Kind.SOCKET, path="/tmp/kvcached-tp-d-x/w0.sock", seen_path="/tmp/kvcached-tp-d-x/w0.sock",
+SOCK = Candidate(kind=Kind.SOCKET, path="/tmp/kvcached-tp-d-x/w0.sock",
                  name="w0.sock", deployment="d", ftype=FileType.SOCKET, ident=(1, 10), uid=1000, mode=0o600,
-                 nlink=1, size=0, mtime=OLD, rank=0, stage=0, parent_uid=1000, probe=Probe.REFUSED)
-SEG = Candidate(kind=Kind.SEGMENT, path="/dev/shm/d", seen_path="/dev/shm/d", name="d", deployment="d",
+                 nlink=1, size=0, mtime=OLD, rank=0, stage=0, parent_uid=1000, bind=Bind.UNBOUND)
+SEG = Candidate(kind=Kind.SEGMENT, path="/dev/shm/d", name="d", deployment="d",
                 ftype=FileType.REGULAR, ident=(2, 20), uid=1000, mode=0o644, nlink=1, size=24, mtime=OLD,
                 lease=False)
 PGSEG = SEG._replace(name="kvcached_vLLM_4242", deployment="kvcached_vLLM_4242", path="/dev/shm/kvcached_vLLM_4242")
-DIR = Candidate(kind=Kind.DIRECTORY, path="/tmp/kvcached-tp-d-x", seen_path="/tmp/kvcached-tp-d-x",
+DIR = Candidate(kind=Kind.DIRECTORY, path="/tmp/kvcached-tp-d-x",
                 name="kvcached-tp-d-x", deployment="d", ftype=FileType.DIRECTORY, ident=(1, 30), uid=1000,
                 mode=0o700, nlink=2, size=0, mtime=OLD, lease=False, children=(SOCK,))
 
@@ -52,19 +53,20 @@ LIVE_SOCK = d(State.LIVE, Reason.LISTENING)
 
 CASES = [
     # (id, candidate, facts, policy, children, expected state, expected reason)
-    ("socket stale: unlisted, refused", SOCK, facts(), ROOT, (), State.STALE, Reason.NOT_LISTENING),
-    ("socket live: listed", SOCK, facts(listeners={SOCK.seen_path: {99}}, socket_holders={99: {7}}), ROOT, (),
+    ("socket stale: unlisted, nothing bound", SOCK, facts(), ROOT, (), State.STALE, Reason.NOT_LISTENING),
+    ("socket live: listed by identity", SOCK, facts(listeners={SOCK.ident: {99}}, socket_holders={99: {7}}), ROOT, (),
      State.LIVE, Reason.LISTENING),
-    ("socket live: probe busy (full backlog)", SOCK._replace(probe=Probe.BUSY), facts(), ROOT, (),
-     State.LIVE, Reason.ACCEPTS),
-    ("socket live: probe accepts", SOCK._replace(probe=Probe.ACCEPTS), facts(), ROOT, (), State.LIVE, Reason.ACCEPTS),
-    ("socket unknown: probe denied", SOCK._replace(probe=Probe.DENIED), facts(), ROOT, (),
-     State.UNKNOWN, Reason.PROBE_DENIED),
-    ("socket unknown: probe error", SOCK._replace(probe=Probe.ERROR), facts(), ROOT, (),
-     State.UNKNOWN, Reason.PROBE_ERROR),
-    ("socket unknown: not probed", SOCK._replace(probe=None), facts(), ROOT, (), State.UNKNOWN, Reason.NOT_PROBED),
-    ("socket unknown: a netns unreadable", SOCK, facts(unreadable_netns={"net:[2]"}), ROOT, (),
-     State.UNKNOWN, Reason.NETNS_UNREADABLE),
+    ("socket: a listener at the same path string but another file is no evidence", SOCK,
+     facts(listeners={(1, 11): {99}}, socket_holders={99: {7}}), ROOT, (), State.STALE, Reason.NOT_LISTENING),
+    ("socket live: bound (no listing names it: another namespace)", SOCK._replace(bind=Bind.BOUND), facts(), ROOT, (),
+     State.LIVE, Reason.BOUND),
+    ("socket unknown: bind test denied", SOCK._replace(bind=Bind.DENIED, bind_errno="EACCES"), facts(), ROOT, (),
+     State.UNKNOWN, Reason.BIND_DENIED),
+    ("socket unknown: bind test failed", SOCK._replace(bind=Bind.ERROR, bind_errno="EIO"), facts(), ROOT, (),
+     State.UNKNOWN, Reason.BIND_ERROR),
+    ("socket unknown: not tested", SOCK._replace(bind=None), facts(), ROOT, (), State.UNKNOWN, Reason.NOT_TESTED),
+    ("socket stale: an unreadable network namespace does not matter (the bind test sees them all)", SOCK,
+     facts(unreadable_netns={"net:[2]"}), ROOT, (), State.STALE, Reason.NOT_LISTENING),
     ("socket young", SOCK._replace(mtime=NOW - 5), facts(), ROOT, (), State.YOUNG, Reason.YOUNG),
     ("socket foreign: fifo", SOCK._replace(ftype=FileType.FIFO), facts(), ROOT, (), State.FOREIGN, Reason.WRONG_TYPE),
     ("socket foreign: regular file", SOCK._replace(ftype=FileType.REGULAR), facts(), ROOT, (),
@@ -76,10 +78,14 @@ CASES = [
      State.FOREIGN, Reason.OTHER_USER),
     ("socket foreign: owner differs from dir", SOCK._replace(uid=2000), facts(), ROOT, (),
      State.FOREIGN, Reason.OWNER_MISMATCH),
-    ("socket live: deployment process alive (env name)", SOCK, facts(proc(7, ipc_name="d")), ROOT, (),
+    ("socket stale: a live process of its deployment does not revive a node nothing is bound to", SOCK,
+     facts(proc(7, ipc_name="d")), ROOT, (), State.STALE, Reason.NOT_LISTENING),
+    ("socket stale: nor does an unreadable process", SOCK, facts(proc(9, unreadable=frozenset({"environ"}))),
+     ROOT, (), State.STALE, Reason.NOT_LISTENING),
+    ("dir live: deployment process alive (env name)", DIR, facts(proc(7, ipc_name="d")), ROOT, (STALE_SOCK,),
      State.LIVE, Reason.OWNER_ALIVE),
-    ("socket: deployment process started after last change is no evidence", SOCK,
-     facts(proc(7, start=NOW - 1, ipc_name="d")), ROOT, (), State.STALE, Reason.NOT_LISTENING),
+    ("segment live: a named process that started after the last change still counts", SEG,
+     facts(proc(7, start=NOW - 1, ipc_name="d")), ROOT, (), State.LIVE, Reason.OWNER_ALIVE),
     ("segment live: lease", SEG._replace(lease=True), facts(lock_table={(2, 20): [LockEntry("OFDLCK", "READ", -1)]}),
      ROOT, (), State.LIVE, Reason.LEASE_HELD),
     ("segment live: held open", SEG, facts(proc(8, shm_files=frozenset({(2, 20)}))), ROOT, (),
@@ -94,6 +100,11 @@ CASES = [
      State.UNKNOWN, Reason.LEASE_UNTESTED),
     ("segment unknown: an engine-like process of its uid unreadable", SEG,
      facts(proc(9, unreadable=frozenset({"maps", "environ"}))), ROOT, (), State.UNKNOWN, Reason.PROC_INCOMPLETE),
+    ("segment unknown: an unreadable engine-like process that started after the last change", SEG,
+     facts(proc(9, start=NOW - 1, unreadable=frozenset({"environ"}))), ROOT, (), State.UNKNOWN,
+     Reason.PROC_INCOMPLETE),
+    ("segment unknown: found only by its shape", SEG._replace(by_shape=True), facts(), ROOT, (),
+     State.UNKNOWN, Reason.UNNAMED),
     ("segment: an unreadable non-engine process is not a blind spot", SEG,
      facts(proc(1, comm="process_api", cmdline=("/process_api",), unreadable=frozenset({"maps"}))), ROOT, (),
      State.STALE, Reason.NO_OWNER),
@@ -103,11 +114,14 @@ CASES = [
     ("segment foreign: other user", SEG._replace(uid=2000), facts(), USER, (), State.FOREIGN, Reason.OTHER_USER),
     ("pgid segment live: group predates last change", PGSEG, facts(proc(4242, pgid=4242)), ROOT, (),
      State.LIVE, Reason.GROUP_ALIVE),
-    ("pgid segment stale: pgid reused by a newer group", PGSEG, facts(proc(4242, start=NOW - 10, pgid=4242)), ROOT,
-     (), State.STALE, Reason.PGID_REUSED),
+    ("pgid segment unknown: a newer group holds an engine-like process", PGSEG,
+     facts(proc(4242, start=NOW - 10, pgid=4242)), ROOT, (), State.UNKNOWN, Reason.PGID_AMBIGUOUS),
+    ("pgid segment stale: pgid reused by a newer group of no engine-like process", PGSEG,
+     facts(proc(4242, start=NOW - 10, pgid=4242, comm="bash", cmdline=("-bash",))), ROOT, (),
+     State.STALE, Reason.PGID_REUSED),
     ("dir live: lease held", DIR._replace(lease=True), facts(), ROOT, (STALE_SOCK,), State.LIVE, Reason.LEASE_HELD),
     ("dir live: a live child", DIR, facts(), ROOT, (LIVE_SOCK,), State.LIVE, Reason.CHILD_LIVE),
-    ("dir unknown: an unknown child", DIR, facts(), ROOT, (d(State.UNKNOWN, Reason.PROBE_DENIED),),
+    ("dir unknown: an unknown child", DIR, facts(), ROOT, (d(State.UNKNOWN, Reason.BIND_DENIED),),
      State.UNKNOWN, Reason.CHILD_UNKNOWN),
     ("dir young: a young child", DIR, facts(), ROOT, (d(State.YOUNG, Reason.YOUNG),), State.YOUNG, Reason.CHILD_YOUNG),
     ("dir foreign: a foreign child", DIR, facts(), ROOT, (d(State.FOREIGN, Reason.WRONG_TYPE),),
@@ -132,13 +146,53 @@ def test_decide_table(c: Candidate, f: Facts, policy: Policy, children: tuple[De
     assert (got.state, got.reason) == (state, reason), got.detail
 
 
+# settle: a deployment's strongest evidence keeps its segment and directories.
+LIVE_BOUND = Decision(State.LIVE, Reason.BOUND, "bound")
+SETTLE = [
+    # (id, socket decision, segment decision before, expected segment state, reason; directory likewise)
+    ("a bound socket keeps an old unheld segment and its directory live", LIVE_BOUND,
+     Decision(State.STALE, Reason.NO_OWNER, ""), State.LIVE, Reason.DEPLOYMENT_LIVE),
+    ("an unknown socket keeps the segment unknown", d(State.UNKNOWN, Reason.BIND_DENIED),
+     Decision(State.STALE, Reason.NO_OWNER, ""), State.UNKNOWN, Reason.DEPLOYMENT_UNKNOWN),
+    ("a young socket keeps the segment young", d(State.YOUNG, Reason.YOUNG),
+     Decision(State.STALE, Reason.NO_OWNER, ""), State.YOUNG, Reason.DEPLOYMENT_YOUNG),
+    ("all stale stays stale", STALE_SOCK, Decision(State.STALE, Reason.NO_OWNER, ""), State.STALE, Reason.NO_OWNER),
+    ("a foreign socket is no evidence", d(State.FOREIGN, Reason.WRONG_TYPE),
+     Decision(State.STALE, Reason.NO_OWNER, ""), State.STALE, Reason.NO_OWNER),
+    ("a live segment keeps an empty directory live", STALE_SOCK, Decision(State.LIVE, Reason.LEASE_HELD, ""),
+     State.LIVE, Reason.LEASE_HELD),
+]
+
+
+@pytest.mark.parametrize("sock_d, seg_d, state, reason", [x[1:] for x in SETTLE], ids=[x[0] for x in SETTLE])
+def test_settle(sock_d: Decision, seg_d: Decision, state: State, reason: Reason) -> None:
+    dir_d = decide(DIR, facts(), ROOT, NOW, (sock_d,))
+    decisions = {SOCK.path: sock_d, SEG.path: seg_d, DIR.path: dir_d}
+    settle([DIR, SEG], decisions)
+    assert (decisions[SEG.path].state, decisions[SEG.path].reason) == (state, reason)
+    assert decisions[SOCK.path] is sock_d, "a socket keeps its own decision"
+    if sock_d.state is State.LIVE or seg_d.state is State.LIVE:
+        assert decisions[DIR.path].state is State.LIVE
+    elif state is not State.STALE:
+        assert decisions[DIR.path].state is state
+
+
+def test_settle_never_lowers_and_never_crosses_deployments() -> None:
+    other = SEG._replace(path="/dev/shm/e", name="e", deployment="e")
+    decisions = {SOCK.path: LIVE_BOUND, DIR.path: decide(DIR, facts(), ROOT, NOW, (LIVE_BOUND,)),
+                 SEG.path: Decision(State.LIVE, Reason.LEASE_HELD, ""), other.path: Decision(State.STALE, Reason.NO_OWNER, "")}
+    settle([DIR, SEG, other], decisions)
+    assert decisions[SEG.path].reason is Reason.LEASE_HELD
+    assert decisions[other.path].state is State.STALE
+
+
 def test_every_state_and_reason_is_covered() -> None:
     states = {x[5] for x in CASES}
-    reasons = {x[6] for x in CASES}
+    reasons = {x[6] for x in CASES} | {x[4] for x in SETTLE}
     assert states == set(State)
     assert reasons == set(Reason), set(Reason) - reasons
 
 
 def test_live_decision_names_the_serving_pids() -> None:
-    got = decide(SOCK, facts(listeners={SOCK.seen_path: {99}}, socket_holders={99: {7, 8}}), ROOT, NOW)
+    got = decide(SOCK, facts(listeners={SOCK.ident: {99}}, socket_holders={99: {7, 8}}), ROOT, NOW)
     assert got.pids == (7, 8)
