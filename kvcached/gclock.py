@@ -37,11 +37,25 @@ class LockUnavailable(KvcachedError):
 
 
 def lock_path(layout: Layout) -> str:
-    """`$KVCTL_LOCK`, else `<root>/run/lock/kvctl-gc.lock` when that directory exists, else `<root>/tmp/kvctl-gc.lock`."""
+    """Where the node's gc lock lives.
+
+    `$KVCTL_LOCK`; else, for root, `<root>/run/kvctl-gc.lock` when `<root>/run`
+    is root's and nobody else may write there (no one can plant a file at the
+    path); else `<root>/run/lock/kvctl-gc.lock` when that directory exists and
+    we may write it; else `<root>/tmp/kvctl-gc.lock`.
+    """
     env = os.environ.get(ENV_LOCK)
     if env:
         return env
-    run_lock = os.path.join(layout.root, "run/lock")
+    run = os.path.join(layout.root, "run")
+    if os.geteuid() == 0:
+        try:
+            st = os.stat(run, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and not st.st_mode & 0o022:
+                return os.path.join(run, LOCK_NAME)
+        except OSError:
+            pass
+    run_lock = os.path.join(run, "lock")
     if os.path.isdir(run_lock) and os.access(run_lock, os.W_OK):
         return os.path.join(run_lock, LOCK_NAME)
     return os.path.join(layout.tmp_dir, LOCK_NAME)
@@ -55,20 +69,34 @@ class GcLock:
         self.proc_root = proc_root
         self._fd: int | None = None
 
+    def _refuse(self, why: str) -> LockUnavailable:
+        return LockUnavailable(f"{self.path}: cannot use it as the gc lock ({why}); another user may have "
+                               f"planted it: remove it (rm -- {self.path}) or set {ENV_LOCK} to a file only you "
+                               "can create")
+
     def acquire(self) -> None:
         try:
-            # O_NOFOLLOW: in a sticky world-writable /tmp another user could plant a link here.
-            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            # Anything may already sit at the path, planted by another user where the
+            # directory is world-writable: O_NOFOLLOW (no link), O_NONBLOCK (a FIFO
+            # must not block the open), and then we check what we opened.
+            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
         except OSError as e:
             why = "a symbolic link" if e.errno == errno.ELOOP else (e.strerror or str(e))
-            raise LockUnavailable(f"{self.path}: cannot open the gc lock ({why})") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise self._refuse(why) from None
+        st = os.fstat(fd)
+        problem = None
+        if not stat.S_ISREG(st.st_mode):
+            problem = "not a regular file"
+        elif st.st_uid != os.geteuid():
+            problem = f"owned by uid {st.st_uid}, not by us (uid {os.geteuid()})"
+        elif st.st_nlink != 1:
+            problem = f"{st.st_nlink} hard links"
+        if problem:
             os.close(fd)
-            raise LockUnavailable(f"{self.path}: the gc lock is not a regular file")
+            raise self._refuse(problem)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            st = os.fstat(fd)
             os.close(fd)
             holders = read_proc_locks(self.proc_root).get((st.st_dev, st.st_ino), [])
             raise LockBusy(self.path, tuple(sorted({h.pid for h in holders if h.pid > 0}))) from None

@@ -6,13 +6,16 @@ half-written file would be read as garbage, so we never write in place.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Iterable
 
 from .cleanup import Action, Report
 from .decide import State
+from .errors import KvcachedError
 from .scan import Kind
 
 PREFIX = "kvctl_gc"
@@ -23,22 +26,40 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+class MetricsError(KvcachedError):
+    """The metrics file cannot be written where the operator asked."""
+
+
+def _read_previous(path: str) -> str:
+    """The current textfile's text ('' when there is none or it is not a file we may replace)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        with os.fdopen(os.dup(fd), encoding="utf-8", errors="replace") as f:
+            return f.read(1 << 20)
+    finally:
+        os.close(fd)
+
+
 def previous_value(path: str, metric: str) -> float | None:
     """The value of an unlabelled `metric` in an existing textfile (to carry the last success across failed runs)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                m = _SAMPLE_RE.match(line)
-                if m and m.group(1) == metric and not m.group(2):
-                    return float(m.group(3))
-    except (OSError, ValueError):
-        return None
+    for line in _read_previous(path).splitlines():
+        m = _SAMPLE_RE.match(line)
+        if m and m.group(1) == metric and not m.group(2):
+            try:
+                return float(m.group(3))
+            except ValueError:
+                return None
     return None
 
 
-def render(report: Report, *, success: bool, orphans: int = 0, lock_busy: bool = False,
-           last_success: float | None = None) -> str:
-    """The textfile body for one run."""
+def render(report: Report, *, success: bool, orphans: int = 0, last_success: float | None = None,
+           started: float | None = None) -> str:
+    """The textfile body for one run; `started` (default: the report's) times the whole run."""
     lines: list[str] = []
 
     def metric(name: str, kind: str, help_: str, samples: Iterable[tuple[dict[str, str], float]]) -> None:
@@ -47,7 +68,7 @@ def render(report: Report, *, success: bool, orphans: int = 0, lock_busy: bool =
         lines.append(f"# TYPE {full} {kind}")
         for labels, value in samples:
             lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
-            text = str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else repr(float(value))
+            text = _number(value)
             lines.append(f"{full}{{{lab}}} {text}" if lab else f"{full} {text}")
 
     kinds = [str(k) for k in Kind]
@@ -59,10 +80,12 @@ def render(report: Report, *, success: bool, orphans: int = 0, lock_busy: bool =
            [({"kind": k}, report.count(action=Action.REMOVED, kind=Kind(k))) for k in kinds])
     metric("failures", "gauge", "Removals that failed in the last run.", [({}, len(report.failures))])
     metric("orphaned_processes", "gauge", "Orphaned kvcached processes seen by the last run.", [({}, orphans)])
-    metric("lock_busy", "gauge", "1 when the last run found another gc holding the lock.", [({}, int(lock_busy))])
+    metric("lock_busy", "gauge", _HELP["lock_busy"], [({}, 0)])  # this run held the lock (write_lock_busy)
     metric("timed_out", "gauge", "1 when the last run hit its time limit.", [({}, int(report.timed_out))])
-    metric("duration_seconds", "gauge", "Wall time of the last run.", [({}, round(report.finished - report.started, 6))])
-    metric("last_run_timestamp_seconds", "gauge", "When the last run finished.", [({}, round(report.finished, 3))])
+    begun = report.started if started is None else started
+    metric("duration_seconds", "gauge", _HELP["duration_seconds"], [({}, round(report.finished - begun, 6))])
+    metric("last_run_timestamp_seconds", "gauge", _HELP["last_run_timestamp_seconds"],
+           [({}, round(report.finished, 3))])
     if success:
         last_success = report.finished
     if last_success is not None:
@@ -71,26 +94,90 @@ def render(report: Report, *, success: bool, orphans: int = 0, lock_busy: bool =
     return "\n".join(lines) + "\n"
 
 
+def check_target(path: str) -> None:
+    """Raise MetricsError unless `path` is absent or a regular file we may replace.
+
+    The file is replaced by rename: where a device, a FIFO, a link or a
+    directory sits (`--prometheus /dev/null`), renaming over it would destroy it.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise MetricsError(f"{path}: cannot write metrics ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) \
+            else "not a regular file"
+        raise MetricsError(f"{path}: refusing to write metrics over {kind}; give a regular file's path "
+                           "(node_exporter reads *.prom files in its textfile directory)")
+
+
 def write_textfile(path: str, body: str) -> None:
     """Replace `path` with `body` atomically; readers see the old file or the new one, never a mix."""
+    check_target(path)
     directory = os.path.dirname(os.path.abspath(path)) or "."
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise MetricsError(f"{path}: cannot write metrics ({e.strerror})") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes it 0600; node_exporter often runs as another user
+        check_target(path)  # again, just before the rename: something may have been planted meanwhile
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError) and not isinstance(e, KvcachedError):
+            why = e.strerror or errno.errorcode.get(e.errno or 0, str(e))
+            raise MetricsError(f"{path}: cannot write metrics ({why})") from None
         raise
 
 
-def write_report(path: str, report: Report, *, success: bool, orphans: int = 0, lock_busy: bool = False) -> None:
+def write_report(path: str, report: Report, *, success: bool, orphans: int = 0,
+                 started: float | None = None) -> None:
     """Render and write one run's metrics, keeping the previous last-success time when this run failed."""
     last = previous_value(path, f"{PREFIX}_last_success_timestamp_seconds")
-    write_textfile(path, render(report, success=success, orphans=orphans, lock_busy=lock_busy, last_success=last))
+    write_textfile(path, render(report, success=success, orphans=orphans, last_success=last, started=started))
+
+
+_RUN_METRICS = {f"{PREFIX}_{m}": m for m in ("lock_busy", "duration_seconds", "last_run_timestamp_seconds")}
+
+
+def write_lock_busy(path: str, started: float, finished: float) -> None:
+    """A run that found the lock busy: say so, and keep every count the last real run wrote.
+
+    Writing zeros would tell an alert on `kvctl_gc_stale_entries` that the node
+    is clean while another run (or a stuck one) holds the lock.
+    """
+    values = {"lock_busy": 1.0, "duration_seconds": round(finished - started, 6),
+              "last_run_timestamp_seconds": round(finished, 3)}
+    seen: set[str] = set()
+    lines: list[str] = []
+    for line in _read_previous(path).splitlines():
+        m = _SAMPLE_RE.match(line)
+        if m and m.group(1) in _RUN_METRICS and not m.group(2):
+            short = _RUN_METRICS[m.group(1)]
+            seen.add(short)
+            line = f"{m.group(1)} {_number(values[short])}"
+        lines.append(line)
+    for short in ("lock_busy", "duration_seconds", "last_run_timestamp_seconds"):
+        if short not in seen:
+            full = f"{PREFIX}_{short}"
+            lines += [f"# HELP {full} {_HELP[short]}", f"# TYPE {full} gauge", f"{full} {_number(values[short])}"]
+    write_textfile(path, "\n".join(lines) + "\n")
+
+
+_HELP = {"lock_busy": "1 when the last run found another gc holding the lock.",
+         "duration_seconds": "Wall time of the last run, from start to finish.",
+         "last_run_timestamp_seconds": "When the last run finished."}
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else repr(float(value))
