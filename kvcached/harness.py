@@ -190,8 +190,6 @@ def _run_worker(args: argparse.Namespace, layout: Layout) -> int:
             attach_worker(listener, layout, args.name)
         except ImportError:
             pass
-    listener.start()
-
     stopping = False
 
     def on_term(signum: int, _frame: object) -> None:
@@ -199,10 +197,12 @@ def _run_worker(args: argparse.Namespace, layout: Layout) -> int:
         if stopping:
             return  # a second SIGTERM while the first one's stop() runs: let it finish
         stopping = True
-        listener.stop()  # graceful worker shutdown; vLLM's SIGKILL usually beats it
+        listener.stop()  # graceful worker shutdown; vLLM's SIGKILL usually beats it (stop() is a no-op before start)
         os._exit(0)
 
+    # Installed before the listener exists: a SIGTERM in between must still run stop().
     signal.signal(signal.SIGTERM, on_term)
+    listener.start()
     while True:
         signal.pause()
 
@@ -211,7 +211,26 @@ def _run_engine(args: argparse.Namespace, layout: Layout) -> int:
     from .startup import claim_segment
 
     lease, _, how = claim_segment(layout, args.name, args.limit)
-    workers = []
+    workers: list[tuple[int, int, subprocess.Popen]] = []
+    stopping = False
+
+    def on_term(signum: int, _frame: object) -> None:
+        # Like EngineCore: stop the workers, then exit through os._exit, so the
+        # segment's destructor never runs (upstream leaves the segment behind).
+        nonlocal stopping
+        if stopping:
+            return  # re-entering Popen.wait() from a second SIGTERM would deadlock
+        stopping = True
+        for _, _, p in workers:
+            p.terminate()
+        for _, _, p in workers:
+            p.wait()
+        os._exit(0)
+
+    # Before the first worker and long before READY: once the owner has seen
+    # READY it may SIGTERM us at any moment, and a default SIGTERM would leave
+    # the workers running.
+    signal.signal(signal.SIGTERM, on_term)
     for stage in range(args.pp):
         for rank in range(args.tp):
             cmd = _base_cmd("worker", args.name, layout, args.tp, args.pp) + ["--rank", str(rank), "--stage", str(stage)]
@@ -238,22 +257,6 @@ def _run_engine(args: argparse.Namespace, layout: Layout) -> int:
     print(READY + json.dumps({"workers": [{"stage": s, "rank": r, "pid": p.pid} for s, r, p in workers]}),
           flush=True)
 
-    stopping = False
-
-    def on_term(signum: int, _frame: object) -> None:
-        # Like EngineCore: stop the workers, then exit through os._exit, so the
-        # segment's destructor never runs (upstream leaves the segment behind).
-        nonlocal stopping
-        if stopping:
-            return  # re-entering Popen.wait() from a second SIGTERM would deadlock
-        stopping = True
-        for _, _, p in workers:
-            p.terminate()
-        for _, _, p in workers:
-            p.wait()
-        os._exit(0)
-
-    signal.signal(signal.SIGTERM, on_term)
     while True:
         signal.pause()
 
@@ -264,6 +267,21 @@ def _run_api(args: argparse.Namespace, layout: Layout) -> int:
     engine = subprocess.Popen(_base_cmd("engine", args.name, layout, args.tp, args.pp)
                               + ["--limit", str(args.limit)] + (["--pool"] if args.pool else []),
                               stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+
+    def on_term(signum: int, _frame: object) -> None:
+        # vLLM 0.33 with --shutdown-timeout 0: SIGTERM the engine, then kill its tree
+        # at once. Only signals here: the main thread may be inside engine.wait(),
+        # and Popen.wait() is not re-entrant (waiting here too would deadlock).
+        try:
+            engine.terminate()
+        except OSError:
+            pass
+        _kill_tree(engine.pid)
+
+    # Installed as soon as there is an engine to stop, long before READY: a
+    # SIGTERM right after READY must reach this handler, not the default action.
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
     info = _read_ready(engine, timeout=30)
     if info is None:
         engine.kill()
@@ -274,19 +292,6 @@ def _run_api(args: argparse.Namespace, layout: Layout) -> int:
         seg_cleanup.capture()
         sock_cleanup.capture()
     print(READY + json.dumps({"engine": engine.pid, **info}), flush=True)
-
-    def on_term(signum: int, _frame: object) -> None:
-        # vLLM 0.33 with --shutdown-timeout 0: SIGTERM the engine, then kill its tree
-        # at once. Only signals here: the main thread is inside engine.wait(), and
-        # Popen.wait() is not re-entrant (waiting here too would deadlock).
-        try:
-            engine.terminate()
-        except OSError:
-            pass
-        _kill_tree(engine.pid)
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
     engine.wait()  # a confirmed exit code: only now may the owner clean up
     if args.owner_cleanup:
         # Stopped or orphaned workers keep their nodes served; retry a little,

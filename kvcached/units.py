@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal, InvalidOperation
 
 from .errors import KvcachedError
 
@@ -27,14 +28,22 @@ _DURATION_RE = re.compile(rf"^{_NUMBER}\s*([smhdSMHD]?)\Z")
 _INT64_MAX = (1 << 63) - 1
 
 
-def _number(text: str, what: str, raw: str) -> float:
+def _number(text: str, what: str, raw: str) -> Decimal:
     if "__" in text or text.startswith("_") or text.endswith("_") or "_." in text or "._" in text:
         raise BadValue(f"{what} {raw!r}: misplaced '_'")
-    return float(text.replace("_", ""))
+    # Decimal, not float: a byte count of 18 digits must be stored as typed, and
+    # a float keeps only 15-17 of them.
+    try:
+        return Decimal(text.replace("_", ""))
+    except InvalidOperation:
+        raise BadValue(f"{what} {raw!r}: not a number") from None
 
 
 def parse_size(raw: str) -> int:
-    """Bytes from `512M`, `2G`, `1.5GiB`, `100_000` (binary units); raise BadValue on garbage or < 0."""
+    """Bytes from `512M`, `2G`, `1.5GiB`, `100_000` (binary units), exactly; raise BadValue on garbage or < 0.
+
+    A fractional size with a unit is rounded down to whole bytes (`1.5K` = 1536).
+    """
     text = raw.strip()
     if text.startswith("-"):
         raise BadValue(f"size {raw!r}: must not be negative")
@@ -42,9 +51,9 @@ def parse_size(raw: str) -> int:
     if not m or m.group(2).lower() not in _SIZE_UNITS:
         raise BadValue(f"size {raw!r}: expected a number with an optional unit K, M, G, T (or KiB, MiB, GiB, TiB)")
     value = _number(m.group(1), "size", raw) * _SIZE_UNITS[m.group(2).lower()]
-    if not math.isfinite(value) or value > _INT64_MAX:
+    if value > _INT64_MAX:
         raise BadValue(f"size {raw!r}: too large for a segment (at most {_INT64_MAX} bytes)")
-    if value != int(value) and m.group(2).lower() in ("", "b"):
+    if value != value.to_integral_value() and m.group(2).lower() in ("", "b"):
         raise BadValue(f"size {raw!r}: a byte count must be whole")
     return int(value)
 
@@ -57,9 +66,20 @@ def parse_duration(raw: str) -> float:
     m = _DURATION_RE.match(text)
     if not m:
         raise BadValue(f"duration {raw!r}: expected seconds or a number with s, m, h or d (e.g. 90s, 10m, 2h, 1d)")
-    value = _number(m.group(1), "duration", raw) * _DURATION_UNITS[m.group(2).lower()]
+    value = float(_number(m.group(1), "duration", raw) * _DURATION_UNITS[m.group(2).lower()])
     if not math.isfinite(value):
         raise BadValue(f"duration {raw!r}: out of range")
+    return value
+
+
+MAX_INTERVAL = 86400.0
+
+
+def parse_interval(raw: str) -> float:
+    """A refresh interval: a duration above 0 and at most a day (`2`, `0.5`, `10s`, `1m`)."""
+    value = parse_duration(raw)
+    if not 0 < value <= MAX_INTERVAL:
+        raise BadValue(f"interval {raw!r}: must be above 0 and at most {MAX_INTERVAL:g} seconds (a day)")
     return value
 
 

@@ -35,6 +35,7 @@ class Globals:
 
     root: str = "/"
     verbose: int = 0
+    json: bool = False  # --json anywhere on the line: errors are JSON objects on stdout too
 
 
 G = Globals()
@@ -46,7 +47,8 @@ class KvctlGroup(TyperGroup):
     def main(self, args: Any = None, prog_name: str | None = None,  # type: ignore[override]
              complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
         global G
-        G = Globals()
+        argv = list(args) if args is not None else sys.argv[1:]
+        G = Globals(json="--json" in argv)
         if os.environ.get(complete_var or "_KVCTL_COMPLETE"):
             from typer._completion_classes import completion_init
 
@@ -61,7 +63,7 @@ class KvctlGroup(TyperGroup):
         except SystemExit:
             raise
         except BaseException as e:  # noqa: BLE001 - the one place exceptions become exit codes
-            code = handle(e, verbose=G.verbose > 0)
+            code = handle(e, verbose=G.verbose > 0, json_out=G.json)
         if standalone_mode:
             sys.exit(code)
         return code
@@ -103,7 +105,9 @@ def _global(
     if root:
         if not os.path.isdir(root):
             raise CliError(f"--root {root}: not a directory", Exit.USAGE)
-        G.root = os.path.abspath(root)
+        # realpath, not abspath: through a symlinked root every path we print and
+        # act on is the one the kernel resolves, and listings compare identities.
+        G.root = os.path.realpath(root)
 
 
 # parsing helpers ----------------------------------------------------------------
@@ -199,24 +203,16 @@ def list_cmd(
 ) -> int:
     """List limit segments with their limit, usage and state (live / stale / unknown)."""
     from kvcached.inspect import build_view
-    from kvcached.units import format_duration, format_size
+    from kvcached.units import format_duration
 
     view = build_view(_plan(_layout(), names), namespaces=False)
-    rows: list[dict[str, Any]] = []
-    for d in view.deployments:
-        seg = d.segment_entry()
-        if seg is None:
-            continue
-        info = d.segment
-        rows.append({"name": d.name, "path": seg.path, "state": str(seg.state), "reason": str(seg.decision.reason),
-                     "limit": info.total if info else None, "used": info.used if info else None,
-                     "prealloc": info.prealloc if info else None,
-                     "free": max(0, info.total - info.used - info.prealloc) if info else None,
-                     "mtime": seg.candidate.mtime, "uid": seg.candidate.uid, "pids": sorted(p.pid for p in d.processes)})
+    rows = [_list_row(d) for d in view.deployments if d.segment_entry() is not None]
     if names and not rows:
         raise CliError(f"no segment matches {' '.join(names)}", Exit.NOT_FOUND)
     if json_out:
-        emit_json({"schema": "kvctl.list/1", "root": G.root, "segments": rows})
+        # Upstream's shape: a JSON array of {"ipc", "limit_bytes", "used_bytes"},
+        # ours added to each element (kvctl/schemas/list.json).
+        emit_json(rows)
         return Exit.OK
     out = Out()
     if not rows:
@@ -224,10 +220,39 @@ def list_cmd(
         return Exit.OK
     now = time.time()
     out.table(["NAME", "STATE", "LIMIT", "USED", "PREALLOC", "FREE", "AGE", "PIDS"],
-              [[r["name"], state_cell(r["state"]), format_size(r["limit"]), format_size(r["used"]),
-                format_size(r["prealloc"]), format_size(r["free"]), format_duration(now - r["mtime"]),
+              [[r["ipc"], state_cell(r["state"]), *_size_cells(r), format_duration(now - r["mtime"]),
                 render.pids(r["pids"]) or "-"] for r in rows], indent=0)
+    for r in rows:
+        if r["problems"]:
+            note(f"{r['ipc']}: {'; '.join(r['problems'])}")
+        if r["error"]:
+            note(f"{r['ipc']}: {r['error']}")
     return Exit.OK
+
+
+def _list_row(d: "DeploymentView") -> dict[str, Any]:
+    seg = d.segment_entry()
+    assert seg is not None
+    info = d.segment
+    ok = info is not None and info.valid
+    return {"ipc": d.name,
+            "limit_bytes": info.total if info else None, "used_bytes": info.used if info else None,
+            "prealloc_bytes": info.prealloc if info else None,
+            "free_bytes": max(0, info.total - info.used - info.prealloc) if info and ok else None,
+            "state": str(seg.state), "reason": str(seg.decision.reason), "detail": seg.decision.detail,
+            "pids": sorted(p.pid for p in d.processes), "path": seg.path, "mtime": seg.candidate.mtime,
+            "uid": seg.candidate.uid, "problems": list(info.problems) if info else [],
+            "error": d.segment_error}
+
+
+def _size_cells(r: dict[str, Any]) -> list[render.Cell]:
+    """LIMIT, USED, PREALLOC, FREE; a negative value is shown as the impossible value it is."""
+    from kvcached.units import format_size
+
+    def cell(v: int | None) -> render.Cell:
+        return (f"{v}!", "bold red") if v is not None and v < 0 else format_size(v)
+
+    return [cell(r["limit_bytes"]), cell(r["used_bytes"]), cell(r["prealloc_bytes"]), cell(r["free_bytes"])]
 
 
 def _set_limit(name: str, total: int, json_out: bool, how: str) -> int:
@@ -237,6 +262,9 @@ def _set_limit(name: str, total: int, json_out: bool, how: str) -> int:
     path = _layout().segment_path(name)
     before = read_segment(path)
     after = write_segment(path, total=total)
+    if after.total < after.used:
+        note(f"warning: {name}: the new limit {format_size(after.total)} is below what is in use "
+             f"({format_size(after.used)}); the pool frees blocks as requests finish")
     if json_out:
         emit_json({"schema": "kvctl.limit/1", "name": name, "path": path, "previous": before.total,
                    **after.to_dict()})
@@ -285,8 +313,6 @@ def limit_percent(
 
 def _loop(interval: float, count: int, draw: Callable[[Out], None]) -> int:
     """Redraw every `interval` seconds: a rich Live view on a terminal, timestamped snapshots elsewhere."""
-    if interval <= 0:
-        raise CliError("--interval must be greater than 0", Exit.USAGE)
     if count < 0:
         raise CliError("--count must be 0 (forever) or more", Exit.USAGE)
     out = Out()
@@ -324,17 +350,10 @@ def _captured(draw: Callable[[Out], None]) -> Any:
 
 def _draw_list(out: Out) -> None:
     from kvcached.inspect import build_view
-    from kvcached.units import format_size
 
     view = build_view(_plan(_layout(), None), namespaces=False)
-    rows = []
-    for d in view.deployments:
-        seg = d.segment_entry()
-        if seg is None:
-            continue
-        i = d.segment
-        rows.append([d.name, state_cell(seg.state), format_size(i.total if i else None),
-                     format_size(i.used if i else None), format_size(i.prealloc if i else None)])
+    rows = [[r["ipc"], state_cell(r["state"]), *_size_cells(r)[:3]]
+            for r in (_list_row(d) for d in view.deployments if d.segment_entry() is not None)]
     if rows:
         out.table(["NAME", "STATE", "LIMIT", "USED", "PREALLOC"], rows, indent=0)
     else:
@@ -364,7 +383,14 @@ def _draw_top(out: Out) -> None:
               indent=0)
 
 
-IntervalOpt = Annotated[float, typer.Option("-n", "--interval", metavar="SEC", help="Seconds between refreshes.")]
+def _interval(raw: str) -> float:
+    from kvcached.units import parse_interval
+
+    return parse_interval(raw)
+
+
+IntervalOpt = Annotated[float, typer.Option("-n", "--interval", metavar="SEC", parser=_parser(_interval),
+                                            help="Seconds between refreshes (above 0, at most a day; 2, 0.5, 10s, 1m).")]
 CountOpt = Annotated[int, typer.Option("--count", metavar="N", help="Stop after N refreshes (0: until Ctrl-C).")]
 
 
@@ -489,7 +515,12 @@ def gc(
     from kvcached.cleanup import execute
 
     started = time.monotonic()
+    wall_start = time.time()
     layout = _layout()
+    if prometheus:
+        from kvcached.metrics import check_target
+
+        check_target(prometheus)  # before any work: a bad target must not cost a run
     lock = None
     if not dry_run:  # a dry run changes nothing, so it neither needs nor blocks the lock
         from kvcached.gclock import GcLock, LockBusy
@@ -500,13 +531,13 @@ def gc(
         except LockBusy:
             if prometheus:
                 from kvcached import metrics
-                from kvcached.cleanup import Report
 
-                now = time.time()
-                metrics.write_report(prometheus, Report(False, [], [], now, now), success=False, lock_busy=True)
+                metrics.write_lock_busy(prometheus, wall_start, time.time())
             raise
     try:
         p = _plan(layout, names, grace=min_age, kinds=kinds)
+        if names and not p.matched:
+            raise CliError(f"no deployment matches {' '.join(names)} under {G.root}", Exit.NOT_FOUND)
         view = _orphan_view(p)
         killed: List[Any] = []
         if kill_orphans and not dry_run:
@@ -557,7 +588,8 @@ def gc(
     if prometheus:
         from kvcached import metrics
 
-        metrics.write_report(prometheus, report, success=code is Exit.OK and not effective_dry, orphans=len(orphans))
+        metrics.write_report(prometheus, report, success=code is Exit.OK and not effective_dry, orphans=len(orphans),
+                             started=wall_start)
     if json_out:
         emit_json({"schema": "kvctl.gc/1", "root": G.root, "dry_run": effective_dry,
                    "entries": [e.to_dict() for e in report.entries], "summary": report.summary(),

@@ -72,8 +72,15 @@ def describe(exc: BaseException) -> tuple[Exit, str | None]:
     return Exit.ERROR, f"internal error: {type(exc).__name__}: {exc} (run 'kvctl -v ...' for the traceback)"
 
 
-def handle(exc: BaseException, *, verbose: bool) -> int:
-    """Report `exc` on stderr (traceback only when verbose) and return its exit code."""
+def error_document(code: Exit, message: str | None) -> dict[str, object]:
+    """What `--json` prints on stdout when a command fails (kvctl/schemas/error.json)."""
+    return {"schema": "kvctl.error/1", "error": {"code": int(code), "name": code.name.lower(),
+                                                 "message": message or code.name.lower().replace("_", " ")},
+            "exit_code": int(code)}
+
+
+def handle(exc: BaseException, *, verbose: bool, json_out: bool = False) -> int:
+    """Report `exc` on stderr (traceback only when verbose), and on stdout as JSON with --json; return its code."""
     code, message = describe(exc)
     if verbose and code not in (Exit.OK, Exit.INTERRUPTED) and not isinstance(exc, CliError):
         import traceback
@@ -83,4 +90,11 @@ def handle(exc: BaseException, *, verbose: bool) -> int:
         from .render import error_line
 
         error_line(message)
+    if json_out and code is not Exit.OK and message is not None:
+        from .render import emit_json
+
+        try:
+            emit_json(error_document(code, message))
+        except (BrokenPipeError, OSError):
+            pass  # the reader went away
     return int(code)

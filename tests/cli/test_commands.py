@@ -7,6 +7,7 @@ stderr, signals, no traceback).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,7 +17,8 @@ import pytest
 
 from kvcached.harness import start_deployment
 from kvcached.ipc.client import ping
-from kvcached.segment import create_segment, read_segment
+from kvcached.layout import Layout
+from kvcached.segment import create_segment, read_segment, write_segment
 
 from ..fs.helpers import backdate
 from .conftest import KVCTL, assert_one_line_error, invoke, kvctl
@@ -54,8 +56,9 @@ def test_global_options(root: str) -> None:
     assert_one_line_error(kvctl("--root", "/nonexistent/dir", "list"), 2)
     assert_one_line_error(kvctl("list", "--bogus"), 2)
     assert_one_line_error(kvctl("bogus-command"), 2)
+    stale_segment(Layout(root), "viaenv", 1 << 30)
     r = kvctl("list", "--json", env={"KVCTL_ROOT": root})
-    assert r.code == 0 and r.json("list")["root"] == root
+    assert r.code == 0 and [x["path"] for x in r.json("list")] == [os.path.join(root, "dev/shm/viaenv")]
 
 
 def test_list(layout, uniq: str, deployments) -> None:
@@ -66,12 +69,24 @@ def test_list(layout, uniq: str, deployments) -> None:
     stale_segment(layout, dead, 2 << 30)
     deployments.append(start_deployment(f"{uniq}live", 1, 1, layout=layout))
     doc = invoke("--root", root, "list", "--json").json("list")
-    states = {s["name"]: (s["state"], s["limit"]) for s in doc["segments"]}
+    states = {s["ipc"]: (s["state"], s["limit_bytes"]) for s in doc}
     assert states == {dead: ("stale", 2 << 30), f"{uniq}live": ("live", 1 << 30)}
     r = kvctl("--root", root, "list")
     assert r.code == 0 and dead in r.stdout and "stale" in r.stdout and "live" in r.stdout and "2G" in r.stdout
-    assert invoke("--root", root, "list", dead, "--json").json("list")["segments"][0]["name"] == dead
+    assert [x["ipc"] for x in invoke("--root", root, "list", dead, "--json").json("list")] == [dead]
     assert_one_line_error(kvctl("--root", root, "list", "nothing-like-this"), 6)
+
+
+def test_list_json_is_what_upstreams_consumers_read(layout, uniq: str) -> None:
+    """Upstream's `kvctl list --json` is a JSON array of {"ipc", "limit_bytes", "used_bytes"}: scripts
+    written for it (`[r["ipc"] for r in json.loads(out)]`, `jq '.[].ipc'`) must keep working on ours."""
+    name = dead_name(uniq)
+    write_segment(stale_segment(layout, name, 3 << 30), used=1 << 20)
+    out = kvctl("--root", layout.root, "list", "--json").stdout
+    rows = json.loads(out)
+    assert [r["ipc"] for r in rows] == [name]
+    assert (rows[0]["limit_bytes"], rows[0]["used_bytes"]) == (3 << 30, 1 << 20)
+    assert list(rows[0])[:3] == ["ipc", "limit_bytes", "used_bytes"], "upstream's keys come first"
 
 
 def test_limit(layout, uniq: str) -> None:

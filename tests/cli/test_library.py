@@ -59,7 +59,11 @@ def test_metrics_text_and_atomic_write(tmp_path) -> None:
 def test_gc_lock(layout, monkeypatch) -> None:
     assert lock_path(layout) == os.path.join(layout.tmp_dir, "kvctl-gc.lock")
     os.makedirs(os.path.join(layout.root, "run/lock"))
+    os.chmod(os.path.join(layout.root, "run"), 0o1777)  # others may plant in run/: not root's own place
     assert lock_path(layout) == os.path.join(layout.root, "run/lock/kvctl-gc.lock")
+    if os.geteuid() == 0:
+        os.chmod(os.path.join(layout.root, "run"), 0o755)  # root's, and only root writes there
+        assert lock_path(layout) == os.path.join(layout.root, "run/kvctl-gc.lock")
     monkeypatch.setenv("KVCTL_LOCK", "/x/y.lock")
     assert lock_path(Layout("/")) == "/x/y.lock"
     monkeypatch.delenv("KVCTL_LOCK")

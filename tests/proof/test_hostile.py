@@ -297,9 +297,9 @@ def _validate(doc: dict) -> None:
         import jsonschema
     except ImportError:  # pragma: no cover - jsonschema is in the test extra
         return
-    schema = str(doc.get("schema", ""))
+    schema = "list" if isinstance(doc, list) else str(doc.get("schema", ""))
     fname = {"kvctl.gc/1": "gc.json", "kvctl.delete/1": "gc.json", "kvctl.inspect/1": "inspect.json",
-             "kvctl.limit/1": "limit.json"}.get(schema)
+             "kvctl.limit/1": "limit.json", "kvctl.error/1": "error.json", "list": "list.json"}.get(schema)
     if fname and os.path.exists(os.path.join(SCHEMAS, fname)):
         with open(os.path.join(SCHEMAS, fname)) as f:
             jsonschema.validate(doc, json.load(f))
