@@ -394,20 +394,54 @@ def test_counting_devices_without_a_listing_falls_back_to_cuinit(fake_lib_dir):
 
 def test_cuda_means_the_current_contexts_device(fake_lib_dir):
     out = _run(fake_lib_dir, _PRELUDE + f"""
+    from kvcached.runtime.pages import Pages
     out["none_current"] = [k.cuda_current_device(), k.PageRange(1, {PS}, device="cuda").device]
     push_primary(1)
     out["current"] = k.cuda_current_device()
     out["raw"] = k.PageRange(1, {PS}, device="cuda").device
-    out["explicit"] = k.PageRange(1, {PS}, device="cuda:0").device
+    out["wrapper"] = Pages(1, {PS}, device="cuda").device
+    out["explicit"] = Pages(1, {PS}, device="cuda:0").device
+    # Another thread has no context current: device 0 there.
+    res = {{}}
+    th = threading.Thread(target=lambda: res.update(d=Pages(1, {PS}, device="cuda").device))
+    th.start(); th.join()
+    out["other_thread"] = res["d"]
+    out["torch_loaded"] = "torch" in sys.modules
     gc.collect()
     out["depth"] = stat("push_depth")
     print(json.dumps(out))
     """, FAKE_CUDA_DEVICES="2")
     assert out["none_current"] == [None, "cuda:0"]
     assert out["current"] == 1
-    assert out["raw"] == "cuda:1"
+    assert out["raw"] == out["wrapper"] == "cuda:1"
     assert out["explicit"] == "cuda:0"
+    assert out["other_thread"] == "cuda:0"
+    assert out["torch_loaded"] is False
     assert out["depth"] == 1   # our pushes popped; the test's own push remains
+
+
+def test_cuda_falls_back_to_torchs_current_device(fake_lib_dir):
+    # Where no context is current, a torch that is imported and has CUDA
+    # initialised decides. A stand-in torch keeps this to the decision itself;
+    # tests/ext/test_kvpages_cuda.py does it with the real torch on a GPU.
+    out = _run(fake_lib_dir, _PRELUDE + f"""
+    import types
+    from kvcached.runtime.pages import Pages, resolve_device
+    state = {{"init": False}}
+    cuda = types.SimpleNamespace(is_initialized=lambda: state["init"], current_device=lambda: 1)
+    sys.modules["torch"] = types.SimpleNamespace(cuda=cuda)
+    out["uninitialised"] = resolve_device("cuda")
+    state["init"] = True
+    out["initialised"] = Pages(1, {PS}, device="cuda").device
+    push_primary(0)
+    out["context_wins"] = resolve_device("cuda")
+    out["others"] = [resolve_device("cpu"), resolve_device("cuda:0")]
+    print(json.dumps(out))
+    """, FAKE_CUDA_DEVICES="2")
+    assert out["uninitialised"] == "cuda:0"
+    assert out["initialised"] == "cuda:1"
+    assert out["context_wins"] == "cuda:0"
+    assert out["others"] == ["cpu", "cuda:0"]
 
 
 # --- 5: a failed unmap reports what happened ------------------------------------
