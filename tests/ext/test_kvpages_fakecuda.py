@@ -556,7 +556,7 @@ def test_teardown_never_holds_the_gil_through_driver_calls(fake_lib_dir):
     out = _run(fake_lib_dir, _PRELUDE + f"""
     r = k.PageRange(3, {PS}, device="cuda")
     r.map([0, 1, 2])
-    delay("cuMemUnmap", 400)
+    delay("cuMemUnmap", 600)
     def unmap_then_close():
         t = threading.Thread(target=lambda: out.update(unmap=err(lambda: r.unmap(0))))
         t.start()
@@ -568,7 +568,7 @@ def test_teardown_never_holds_the_gil_through_driver_calls(fake_lib_dir):
     print(json.dumps(out))
     """)
     assert out["unmap"] is None and out["close"] is None
-    assert out["stall"] < 0.3, out["stall"]
+    assert out["stall"] < 0.5, out["stall"]   # holding the GIL would stall it a second or more
     assert out["after"] == CLEAN
 
 
@@ -579,7 +579,7 @@ def test_getters_do_not_stall_python_while_a_map_is_in_the_driver(fake_lib_dir):
     out = _run(fake_lib_dir, _PRELUDE + f"""
     r = k.PageRange(2, {PS}, device="cuda")
     r.map(0)
-    delay("cuMemUnmap", 800)
+    delay("cuMemUnmap", 1000)
     def query():
         t = threading.Thread(target=lambda: r.unmap(0))
         t.start()
@@ -593,7 +593,7 @@ def test_getters_do_not_stall_python_while_a_map_is_in_the_driver(fake_lib_dir):
     num_mapped, rep, is_mapped, pages = out["seen"]
     assert num_mapped == 1 and "mapped=1" in rep   # read at once, before the unmap ended
     assert is_mapped is False and pages == []      # waited for the unmap, without the GIL
-    assert out["stall"] < 0.3, out["stall"]
+    assert out["stall"] < 0.5, out["stall"]   # holding the GIL would stall it a second or more
 
 
 def test_strict_fake_rejects_what_the_driver_rejects(fake_lib_dir):
