@@ -75,11 +75,19 @@ class CpuBackend final : public Backend {
       : fd_(fd), base_(base), page_size_(page_size),
         os_page_(static_cast<std::size_t>(sysconf(_SC_PAGESIZE))) {}
 
+  ~CpuBackend() override { teardown(nullptr); }
+
   // Unmapping the whole range and closing the memfd frees every page still
-  // mapped; nothing else refers to the memfd.
-  ~CpuBackend() override {
-    munmap(base_, total_);
+  // mapped; nothing else refers to the memfd. In a forked child this drops
+  // only the child's own mapping and descriptor, so it is safe there too.
+  Status teardown(std::vector<unsigned char>* mapped) override {
+    if (torn_down_) return Status::Ok();
+    torn_down_ = true;
+    Status st;
+    if (munmap(base_, total_) != 0) st = Status::Os(errno, "munmap the range");
     close(fd_);
+    if (mapped != nullptr && st.ok()) mapped->assign(mapped->size(), 0);
+    return st;
   }
 
   void set_total(std::size_t total) { total_ = total; }
@@ -149,6 +157,7 @@ class CpuBackend final : public Backend {
   std::size_t page_size_;
   std::size_t os_page_;
   std::size_t total_ = 0;
+  bool torn_down_ = false;
 };
 
 }  // namespace

@@ -5,18 +5,29 @@ A `Pages` object is one reserved virtual range of ``num_pages`` pages of
 device (driver VMM backend). Pages are mapped and unmapped by index; touching
 an unmapped page faults. CPU pages read as zeros each time they are mapped;
 CUDA pages are not zeroed. Map and unmap are thread-safe (the extension
-releases the GIL and locks the range). A CPU range is MAP_SHARED over a memfd:
-a forked child shares its pages, so mapping or unmapping in the child would
+releases the GIL and locks the range).
+
+The range exports itself through DLPack (`as_tensor`, ``torch.from_dlpack``):
+each tensor made from it counts as an export, `Pages.close` is refused while
+one lives, and the range stays reserved until the last one is freed, so a
+stale tensor can never reach addresses that a later range was given.
+
+Processes: a CUDA range belongs to the process that created it. In a forked
+child, mapping, unmapping, closing or exporting it raises `ForkedError`, and
+dropping it makes no driver call. A CPU range is MAP_SHARED over a memfd: a
+forked child shares its pages, so mapping or unmapping in the child would
 change the parent's memory: don't.
 
-torch is imported only by `as_tensor`.
+torch is imported only by `as_tensor`; `resolve_device` only looks at a torch
+that is imported already.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvcached import _kvpages
 
@@ -29,6 +40,10 @@ DEFAULT_PAGE_SIZE: int = _kvpages.DEFAULT_PAGE_SIZE
 CudaError = _kvpages.CudaError
 #: The CUDA backend cannot run here (built without cuda.h, or no libcuda.so.1).
 CudaUnavailableError = _kvpages.CudaUnavailableError
+#: A CUDA range was used in a process other than its creator (a forked child).
+ForkedError = _kvpages.ForkedError
+#: unmap failed for some pages: ``.unmapped`` lost their contents, ``.failed`` stay mapped.
+PartialUnmapError = _kvpages.PartialUnmapError
 
 
 def cuda_built() -> bool:
@@ -37,13 +52,51 @@ def cuda_built() -> bool:
 
 
 def cuda_device_count() -> int:
-    """CUDA devices usable now; 0 without a driver, a device or CUDA support."""
+    """CUDA devices visible here; 0 without a driver, a device or CUDA support.
+
+    It does not initialise the CUDA driver (cuInit), which torch could not
+    see and which would leave workers forked afterwards unable to use CUDA:
+    it asks the driver only if this process initialised it already, and
+    otherwise counts the GPUs the NVIDIA kernel module lists in
+    /proc/driver/nvidia/gpus (``$KVCACHED_NVIDIA_GPUS_DIR`` overrides),
+    narrowed by ``CUDA_VISIBLE_DEVICES`` as CUDA does. Only where that listing
+    is missing (some sandboxes) does it fall back to cuInit: after that, fork
+    no CUDA workers from this process (use the spawn start method).
+    """
     return int(_kvpages.cuda_device_count())
 
 
 def cuda_unavailable_reason() -> str | None:
-    """Why ``device="cuda"`` cannot work here, or None when it can."""
+    """Why ``device="cuda"`` cannot work here, or None; initialises CUDA only as `cuda_device_count`."""
     return _kvpages.cuda_unavailable_reason()
+
+
+def resolve_device(device: str) -> str:
+    """``"cuda"`` as the caller's current device, ``"cuda:N"``; other devices unchanged.
+
+    The current device is, in order: the device of the CUDA context current
+    on the calling thread; torch's current device, if torch is imported
+    already and has initialised CUDA (never imported for this); else 0. So
+    each tensor-parallel worker, given the same ``"cuda"``, maps on its own GPU.
+    """
+    if device != "cuda":
+        return device
+    current = _kvpages.cuda_current_device()
+    if current is None:
+        current = _torch_current_device()
+    return f"cuda:{0 if current is None else current}"
+
+
+def _torch_current_device() -> int | None:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        return int(torch.cuda.current_device())
+    except (AttributeError, RuntimeError):  # a torch without CUDA, or in a bad fork
+        return None
 
 
 def os_page_size() -> int:
@@ -58,11 +111,12 @@ class Pages:
 
     def __init__(self, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE, *,
                  device: str = "cpu") -> None:
-        self._range = _kvpages.PageRange(num_pages, page_size, device=device)
+        """Reserve the range; ``device`` is ``"cpu"``, ``"cuda:N"`` or ``"cuda"`` (see `resolve_device`)."""
+        self._range = _kvpages.PageRange(num_pages, page_size, device=resolve_device(device))
 
     @property
     def raw(self) -> _kvpages.PageRange:
-        """The extension's PageRange (supports the buffer protocol on the CPU)."""
+        """The extension's PageRange (DLPack export; the buffer protocol on the CPU)."""
         return self._range
 
     @property
@@ -110,7 +164,14 @@ class Pages:
         self._range.map(pages)
 
     def unmap(self, pages: int | Iterable[int]) -> None:
-        """Unmap one page or several and return their memory, all or nothing."""
+        """Unmap one page or several and return their memory.
+
+        A bad request (a page not mapped, a repeat) changes nothing. A driver
+        failure part way does not roll back, since a page mapped again would
+        come back with other memory anyway: the other pages are unmapped all
+        the same and `PartialUnmapError` says which were (``.unmapped``) and
+        which stay mapped (``.failed``); `mapped_pages` agrees with it.
+        """
         self._range.unmap(pages)
 
     def is_mapped(self, index: int) -> bool:
@@ -132,8 +193,21 @@ class Pages:
         return memoryview(self._range)
 
     def close(self) -> None:
-        """Unmap every page and release the range; idempotent."""
+        """Unmap every page and release the range; idempotent.
+
+        Refused (BufferError) while a tensor or buffer view of the range lives.
+        A CUDA page that cannot be unmapped keeps the whole range reserved
+        (leaked, not freed under a live mapping) and raises `CudaError`.
+        """
         self._range.close()
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        """The range as a DLPack capsule (1-D uint8), for ``torch.from_dlpack(pages)``."""
+        return self._range.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(device_type, device_id)``: (1, 0) for the CPU, (2, N) for ``cuda:N``."""
+        return self._range.__dlpack_device__()
 
     def __enter__(self) -> Pages:
         return self
@@ -146,30 +220,15 @@ class Pages:
         return repr(self._range)
 
 
-class _CudaArray:
-    """Exposes a CUDA range through ``__cuda_array_interface__`` (v3) for torch."""
-
-    def __init__(self, pages: Pages, nbytes: int) -> None:
-        # Held so that the range outlives every tensor made from this view.
-        self._pages = pages
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (pages.address, False),
-            "version": 3,
-            # No stream: the range is memory, not work; callers order their own.
-            "stream": None,
-        }
-
-
 def as_tensor(pages: Pages, dtype: torch.dtype | None = None,
               shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """A zero-copy torch tensor over the whole range (default: flat uint8).
 
-    On the CPU the tensor holds a buffer view, so `Pages.close` is refused
-    while the tensor lives. On CUDA the tensor keeps the range object alive but
-    close() is not prevented: do not close a CUDA range under live tensors.
-    Touching an unmapped page through the tensor faults like any other access.
+    Made through DLPack on both devices (no numpy needed): the tensor, and
+    every view of it, holds an export of the range, so `Pages.close` is
+    refused while it lives and the range is freed only after the last one
+    goes. Touching an unmapped page through the tensor faults like any other
+    access.
     """
     import torch
 
@@ -177,9 +236,5 @@ def as_tensor(pages: Pages, dtype: torch.dtype | None = None,
     itemsize = torch.empty((), dtype=dtype).element_size()
     if pages.size % itemsize:
         raise ValueError(f"range of {pages.size} bytes is not a whole number of {dtype}")
-    if pages.device == "cpu":
-        flat = torch.frombuffer(pages.buffer(), dtype=dtype)
-    else:
-        raw = torch.as_tensor(_CudaArray(pages, pages.size), device=pages.device)
-        flat = raw.view(dtype)
+    flat = torch.from_dlpack(pages.raw).view(dtype)
     return flat if shape is None else flat.view(shape)

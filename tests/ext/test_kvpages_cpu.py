@@ -161,11 +161,28 @@ def test_context_manager_closes():
 
 def test_close_refused_while_a_view_is_alive(rng):
     view = memoryview(rng)
-    with pytest.raises(BufferError, match="live buffer view"):
+    with pytest.raises(BufferError, match="1 export"):
         rng.close()
     view.release()
     rng.close()
     assert rng.closed
+
+
+def test_dlpack_export_is_counted_until_the_consumer_frees_it(rng):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    assert rng.__dlpack_device__() == (1, 0)   # kDLCPU
+    rng.map(1)
+    t = torch.from_dlpack(rng)
+    assert t.data_ptr() == rng.address and t.shape == (rng.size,) and t.dtype == torch.uint8
+    t[PS:PS + 3] = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    assert ctypes.string_at(rng.address + PS, 3) == b"\x01\x02\x03"
+    legacy = torch.utils.dlpack.from_dlpack(rng.__dlpack__())
+    with pytest.raises(BufferError, match="2 export"):
+        rng.close()
+    del t, legacy
+    rng.close()
+    with pytest.raises(BufferError, match="closed"):
+        rng.__dlpack__()
 
 
 def test_small_page_size_is_allowed():

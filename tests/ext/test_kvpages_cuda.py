@@ -2,10 +2,17 @@
 
 Skipped with "no CUDA device" where none is usable. Memory and data checks go
 through torch when it has CUDA; the mapping bookkeeping needs only the driver.
+Checks that must start from a process in which CUDA is untouched (fork,
+counting without cuInit, device resolution) run in a child process.
+
+Not covered here: a driver failure part way through an unmap (PartialUnmapError)
+cannot be provoked on a real driver; tests/ext/test_kvpages_fakecuda.py
+injects it.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -24,6 +31,7 @@ pytestmark = [
 ]
 
 PS = 2 << 20
+MiB = 1 << 20
 
 
 def _torch_cuda():
@@ -31,6 +39,11 @@ def _torch_cuda():
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA support")
     return torch
+
+
+def _run_child(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env})
 
 
 @pytest.fixture
@@ -42,6 +55,7 @@ def rng():
 
 def test_reserve_map_unmap_bookkeeping(rng):
     assert rng.device == "cuda:0"
+    assert rng.address % PS == 0
     rng.map([0, 5])
     assert rng.mapped_pages() == [0, 5] and rng.num_mapped == 2
     rng.unmap(0)
@@ -72,19 +86,54 @@ def test_bad_device_ordinal_names_the_cuda_error():
     assert isinstance(info.value.code, int)
 
 
-def test_data_reads_back_through_tensor_view(rng):
+def test_data_reads_back_through_tensor_view():
     torch = _torch_cuda()
     from kvcached.runtime.pages import Pages, as_tensor
 
     with Pages(4, PS, device="cuda:0") as pages:
         pages.map(2)
         t = as_tensor(pages, dtype=torch.float32)
-        assert t.device.type == "cuda"
+        assert t.device == torch.device("cuda:0") and t.data_ptr() == pages.address
         off = 2 * PS // 4
         t[off:off + 4] = torch.arange(4, dtype=torch.float32, device="cuda:0")
         torch.cuda.synchronize()
         assert t[off:off + 4].cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
         del t
+
+
+def test_dlpack_export_is_counted_and_keeps_the_range():
+    torch = _torch_cuda()
+    r = kvpages.PageRange(2, PS, device="cuda:0")
+    assert r.__dlpack_device__() == (2, 0)   # kDLCUDA, ordinal 0
+    r.map(0)
+    t = torch.from_dlpack(r)
+    assert (t.device, t.dtype, t.shape, t.data_ptr()) == (torch.device("cuda:0"), torch.uint8,
+                                                          (2 * PS,), r.address)
+    with pytest.raises(BufferError, match="1 export"):
+        r.close()
+    view = t[:PS].view(torch.int32)
+    del t, r                                  # the view must keep the range mapped
+    view.fill_(7)
+    assert int(view.sum().item()) == 7 * (PS // 4)
+    del view
+    torch.cuda.synchronize()
+
+
+def test_as_tensor_needs_no_numpy():
+    _torch_cuda()
+    res = _run_child(f"""
+        import sys
+        sys.modules["numpy"] = None   # torch's __cuda_array_interface__ path would need it
+        import torch
+        from kvcached.runtime.pages import Pages, as_tensor
+        p = Pages(2, {PS}, device="cuda:0")
+        p.map(1)
+        t = as_tensor(p, dtype=torch.float16)
+        t[{PS} // 2:].fill_(1.5)
+        print(float(t[{PS} // 2:].sum().item()))
+    """)
+    assert res.returncode == 0, res.stderr
+    assert float(res.stdout.split()[-1]) == 1.5 * (PS // 2)
 
 
 def test_device_memory_drops_on_map_and_returns_on_unmap():
@@ -103,6 +152,98 @@ def test_device_memory_drops_on_map_and_returns_on_unmap():
         r.close()
 
 
+def test_no_device_memory_leaks_across_ranges_and_exports():
+    torch = _torch_cuda()
+    torch.cuda.synchronize()
+    free0, _ = torch.cuda.mem_get_info(0)
+    for _ in range(10):
+        r = kvpages.PageRange(16, PS, device="cuda:0")
+        r.map(range(16))
+        t = torch.from_dlpack(r)
+        t.fill_(1)
+        torch.cuda.synchronize()
+        del t
+        r.close()   # pages still mapped: close unmaps them
+    free1, _ = torch.cuda.mem_get_info(0)
+    assert abs(free0 - free1) <= 4 * MiB, (free0, free1)
+
+
+def test_cuda_means_the_current_device_per_worker():
+    # With one GPU this can only show cuda:0; with more, the last one too.
+    torch = _torch_cuda()
+    n = torch.cuda.device_count()
+    code = """
+        import sys, torch
+        from kvcached.runtime.pages import Pages
+        torch.cuda.set_device(int(sys.argv[1]))
+        torch.zeros(1, device="cuda")   # a worker that has used its device
+        p = Pages(1, {ps}, device="cuda")
+        print(p.device, torch.cuda.current_device())
+    """.format(ps=PS)
+    for dev in sorted({0, n - 1}):
+        res = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(dev)],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.split() == [f"cuda:{dev}", str(dev)]
+
+
+def test_counting_devices_leaves_the_driver_uninitialised_for_forked_workers():
+    if not os.path.isdir("/proc/driver/nvidia/gpus"):
+        pytest.skip("no /proc/driver/nvidia/gpus here: counting falls back to cuInit by design")
+    torch = _torch_cuda()
+    res = _run_child("""
+        import ctypes, os
+        from kvcached import _kvpages as k
+        n = k.cuda_device_count()
+        probe = ctypes.c_int()
+        # CUDA_ERROR_NOT_INITIALIZED (3): nobody called cuInit in this process.
+        rc = ctypes.CDLL("libcuda.so.1").cuDeviceGetCount(ctypes.byref(probe))
+        pid = os.fork()
+        if pid == 0:   # what vLLM does with its workers
+            import torch
+            ok = torch.ones(4, device="cuda").sum().item() == 4
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        print(n, rc, os.waitstatus_to_exitcode(status))
+    """)
+    assert res.returncode == 0, res.stderr
+    count, rc, child = res.stdout.split()
+    assert int(count) == torch.cuda.device_count()
+    assert (int(rc), int(child)) == (3, 0)
+
+
+def test_forked_child_cannot_touch_the_parents_range():
+    _torch_cuda()
+    res = _run_child(f"""
+        import gc, os, torch
+        from kvcached import _kvpages as k
+        r = k.PageRange(2, {PS}, device="cuda:0")
+        r.map(0)
+        t = torch.from_dlpack(r)
+        t[:{PS}].fill_(3)
+        torch.cuda.synchronize()
+        del t
+        pid = os.fork()
+        if pid == 0:
+            codes = 0
+            for i, op in enumerate((lambda: r.map(1), lambda: r.unmap(0), r.close, r.__dlpack__)):
+                try:
+                    op()
+                except k.ForkedError:
+                    codes |= 1 << i
+            del r
+            gc.collect()     # dropping it must make no driver call
+            os._exit(0 if codes == 0b1111 else 10 + codes)
+        _, status = os.waitpid(pid, 0)
+        t = torch.from_dlpack(r)
+        print(os.waitstatus_to_exitcode(status), int(t[:{PS}].sum().item()))
+        del t
+        r.close()
+    """)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["0", str(3 * PS)]
+
+
 def test_touching_unmapped_page_faults_child():
     _torch_cuda()
     code = f"""
@@ -116,8 +257,7 @@ def test_touching_unmapped_page_faults_child():
         t[{PS}:].fill_(1); torch.cuda.synchronize()
         print("unreachable", flush=True)
     """
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
-                         capture_output=True, text=True, timeout=120)
+    res = _run_child(code)
     assert "mapped page ok" in res.stdout
     assert "unreachable" not in res.stdout
     # An illegal address on the device surfaces as a CUDA error, not SIGSEGV.

@@ -54,3 +54,19 @@ def test_tensor_view_is_zero_copy():
         del t
         p.close()
 
+
+
+def test_tensor_keeps_the_range_alive_and_closed_only_after_it():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    p = Pages(2, PS)
+    p.map(0)
+    t = torch.from_dlpack(p)          # the wrapper exports like the raw range
+    assert (t.device.type, t.dtype, t.shape, t.data_ptr()) == ("cpu", torch.uint8, (2 * PS,), p.address)
+    view = t[8:16].view(torch.int64)
+    del t
+    with pytest.raises(BufferError, match="export"):
+        p.close()                     # a view of the tensor still holds the export
+    view[0] = 42
+    del p                             # the range must outlive its last tensor
+    assert view[0].item() == 42
+    del view

@@ -1,0 +1,213 @@
+#!/usr/bin/env bash
+# The real-GPU check of the CUDA page backend, from a fresh checkout, offline.
+#
+# 1. builds kvcached._kvpages in place (setup.py build_ext: no pip, no network);
+# 2. runs tests/ext/test_kvpages_cuda.py (DLPack export, close refused while
+#    exported, device resolution, fork guard, no leaks, ...);
+# 3. checks pages with real CUDA tensors: map, write with a kernel, read back,
+#    unmap, remap, write and read again, memory returned.
+#
+# Prints exactly one line per check, "PASS name", "FAIL name: why" or
+# "SKIP name: why" (a test skipped for a stated reason), then one summary
+# line; exits non-zero on any failure. With $OUT set, the same output goes to
+# $OUT/gpu-check.log, and the build, pytest and pages logs beside it.
+#
+# Needs: python3 with a CUDA torch and pytest, a C++ compiler, cuda.h (CUDA_HOME
+# or /usr/local/cuda). Runs in well under 5 minutes on one GPU.
+#
+# Usage: bash scripts/gpu-check.sh        (PYTHON=... to choose the interpreter)
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+PY=${PYTHON:-python3}
+LOGS=${OUT:-$(mktemp -d)}
+RESULTS=$(mktemp)
+
+# Appends check lines to RESULTS while showing them.
+record() { tee -a "$RESULTS"; }
+
+first_error_line() { grep -m1 -iE 'error|failed|exception' "$1" || tail -n1 "$1"; }
+
+build() {
+  if KVCACHED_REQUIRE_EXT=1 "$PY" setup.py build_ext --inplace >"$LOGS/gpu-check-build.log" 2>&1; then
+    echo "PASS build"
+  else
+    echo "FAIL build: $(first_error_line "$LOGS/gpu-check-build.log")"
+    return 1
+  fi
+  "$PY" - <<'PY'
+from kvcached import _kvpages as k
+n = k.cuda_device_count()
+if not k.cuda_built():
+    print("FAIL extension-cuda: built without the CUDA backend (cuda.h not found: set CUDA_HOME)")
+elif n == 0:
+    print(f"FAIL extension-cuda: no CUDA device: {k.cuda_unavailable_reason()}")
+else:
+    print(f"PASS extension-cuda: {n} device(s)")
+PY
+}
+
+gpu_tests() {
+  local xml="$LOGS/gpu-check-pytest.xml"
+  rm -f "$xml"
+  timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/ext/test_kvpages_cuda.py \
+    --junitxml="$xml" >"$LOGS/gpu-check-pytest.log" 2>&1
+  "$PY" - "$xml" "$LOGS/gpu-check-pytest.log" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+
+xml, log = sys.argv[1:]
+try:
+    cases = list(ET.parse(xml).getroot().iter("testcase"))
+except (OSError, ET.ParseError):
+    tail = open(log, errors="replace").read().strip().splitlines()[-1:] or ["no output"]
+    print(f"FAIL test_kvpages_cuda: pytest wrote no report: {tail[0]}")
+    sys.exit()
+if not cases:
+    print("FAIL test_kvpages_cuda: no test collected")
+for case in cases:
+    name = f"test:{case.get('name')}"
+    bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+    skipped = case.find("skipped")
+    if bad is not None:
+        why = (bad.get("message") or bad.text or "failed").strip().splitlines()[0]
+        print(f"FAIL {name}: {why[:300]}")
+    elif skipped is not None:
+        print(f"SKIP {name}: {(skipped.get('message') or 'skipped').strip()[:300]}")
+    else:
+        print(f"PASS {name}")
+PY
+}
+
+pages_checks() {
+  local log="$LOGS/gpu-check-pages.log"
+  timeout 120 "$PY" - 2>"$log" <<'PY' || { local rc=$?; echo "FAIL pages: died or timed out (exit $rc): $(tail -n1 "$log")"; }
+import gc
+import traceback
+
+import torch
+
+from kvcached.runtime.pages import Pages, as_tensor
+
+PS = 2 << 20
+WORDS = PS // 4   # float32 words per page
+MiB = 1 << 20
+
+
+def fill(t, page, seed):
+    """Writes page `page` on the device: one arange kernel, one add kernel."""
+    words = t[page * WORDS:(page + 1) * WORDS]
+    torch.arange(WORDS, dtype=torch.float32, device=t.device, out=words)
+    words.add_(seed)
+
+
+def expect(t, page, seed):
+    torch.cuda.synchronize()
+    got = t[page * WORDS:(page + 1) * WORDS].cpu()
+    want = torch.arange(WORDS, dtype=torch.float32) + seed
+    if not torch.equal(got, want):
+        bad = int((got != want).nonzero()[0])
+        raise AssertionError(f"page {page} word {bad}: {got[bad].item()} != {want[bad].item()}")
+
+
+def check_map_write_read(ctx):
+    p = ctx["pages"] = Pages(8, PS, device="cuda")
+    if p.device != f"cuda:{torch.cuda.current_device()}":
+        raise AssertionError(f"'cuda' resolved to {p.device}")
+    p.map([0, 3, 5])
+    t = ctx["t"] = as_tensor(p, dtype=torch.float32)
+    if t.data_ptr() != p.address or t.device.type != "cuda":
+        raise AssertionError(f"tensor at {t.device} {t.data_ptr():#x}, range at {p.address:#x}")
+    for page in (0, 3, 5):
+        fill(t, page, seed=1000.0 * page)
+    for page in (0, 3, 5):
+        expect(t, page, seed=1000.0 * page)
+
+
+def check_unmap_remap_write_read(ctx):
+    p, t = ctx["pages"], ctx["t"]
+    p.unmap(3)
+    if p.mapped_pages() != [0, 5]:
+        raise AssertionError(f"mapped after unmap: {p.mapped_pages()}")
+    p.map([3, 7])
+    for page in (3, 7):
+        fill(t, page, seed=-7.0 * (page + 1))
+    for page in (3, 7):
+        expect(t, page, seed=-7.0 * (page + 1))
+    for page in (0, 5):   # neighbours untouched by the unmap and remap
+        expect(t, page, seed=1000.0 * page)
+
+
+def check_close_refused_while_exported(ctx):
+    try:
+        ctx["pages"].close()
+    except BufferError:
+        return
+    raise AssertionError("close() succeeded under a live tensor")
+
+
+def check_memory_returned(ctx):
+    del ctx["t"]
+    gc.collect()
+    ctx["pages"].close()
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    if abs(ctx["free0"] - free) > 4 * MiB:
+        raise AssertionError(f"free memory {ctx['free0']} before, {free} after")
+
+
+# --- Hook: later checks --------------------------------------------------------
+# The block pool check (KVPool allocating and freeing blocks over CUDA pages)
+# goes here: define `check_block_pool(ctx)`, raising on failure, and append
+# ("block-pool", check_block_pool) to LATER_CHECKS. Each entry prints one
+# PASS/FAIL line like the checks above.
+LATER_CHECKS: list = []
+
+CHECKS = [
+    ("pages-map-write-read", check_map_write_read),
+    ("pages-unmap-remap-write-read", check_unmap_remap_write_read),
+    ("pages-close-refused-while-exported", check_close_refused_while_exported),
+    ("pages-memory-returned", check_memory_returned),
+    *LATER_CHECKS,
+]
+
+torch.cuda.init()
+torch.cuda.synchronize()
+ctx = {"free0": torch.cuda.mem_get_info()[0]}
+for name, check in CHECKS:
+    try:
+        check(ctx)
+    except Exception as e:  # noqa: BLE001 - every failure becomes one FAIL line
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        print(f"FAIL {name}: {why} (line {where.lineno})", flush=True)
+    else:
+        print(f"PASS {name}", flush=True)
+PY
+}
+
+main() {
+  echo "# gpu-check $(git rev-parse --short HEAD 2>/dev/null || echo '?') on" \
+       "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n1 || echo 'no nvidia-smi')"
+  if build | record && ! grep -q '^FAIL' "$RESULTS"; then
+    gpu_tests | record
+    pages_checks | record
+  fi
+  local passed failed skipped
+  passed=$(grep -c '^PASS ' "$RESULTS")
+  failed=$(grep -c '^FAIL ' "$RESULTS")
+  skipped=$(grep -c '^SKIP ' "$RESULTS")
+  echo "gpu-check: $passed passed, $failed failed, $skipped skipped"
+  [[ $failed -eq 0 ]]
+}
+
+if [[ -n "${OUT:-}" ]]; then
+  mkdir -p "$OUT"
+  main 2>&1 | tee "$OUT/gpu-check.log"
+  status=${PIPESTATUS[0]}
+else
+  main 2>&1
+  status=$?
+fi
+rm -f "$RESULTS"
+exit "$status"
