@@ -104,6 +104,18 @@ bool load() {
   return g_driver.loaded;
 }
 
+// Whether libcuda.so.1 is in this process already (we or anyone else loaded
+// it). Where it is not, nobody can have initialised CUDA here, and loading it
+// only to ask would put the driver into a process that may fork: a child
+// forked from it crashed in its first CUDA call on an H200 (gpu-check).
+bool driver_in_process() {
+  if (g_driver.loaded) return true;
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+  if (lib == nullptr) return false;
+  dlclose(lib);  // drops only the reference RTLD_NOLOAD took
+  return true;
+}
+
 bool forked_after_init() {
   return g_driver.init_pid != 0 && g_driver.init_pid != getpid();
 }
@@ -412,10 +424,20 @@ class CudaBackend final : public Backend {
 
 bool cuda_built() { return true; }
 
+static std::string none_visible(const std::vector<std::string>& uuids) {
+  const char* env = std::getenv("CUDA_VISIBLE_DEVICES");
+  return "no CUDA device: " + std::to_string(uuids.size()) + " GPU(s) listed in " + gpus_dir() +
+         ", none visible" + (env ? " with CUDA_VISIBLE_DEVICES=" + std::string(env) : std::string());
+}
+
 int cuda_device_count(std::string* why_none) {
   std::string why;
   int count = 0;
-  if (!load()) {
+  std::vector<std::string> uuids;
+  if (!driver_in_process() && listed_gpus(&uuids)) {
+    count = visible_count(uuids);
+    if (count == 0) why = none_visible(uuids);
+  } else if (!load()) {
     why = g_driver.load_error;
   } else if (forked_after_init()) {
     why = "this process was forked from one that initialised CUDA (pid " +
@@ -424,19 +446,14 @@ int cuda_device_count(std::string* why_none) {
     // Succeeds only where the driver is initialised already: then asking
     // costs nothing and is exact.
     CUresult rc = g_driver.cuDeviceGetCount_(&count);
-    std::vector<std::string> uuids;
+    uuids.clear();
     if (rc == CUDA_SUCCESS) {
       if (count == 0) why = "no CUDA device";
     } else if (rc != CUDA_ERROR_NOT_INITIALIZED) {
       why = cuda_status(rc, "cuDeviceGetCount").message;
     } else if (listed_gpus(&uuids)) {
       count = visible_count(uuids);
-      if (count == 0) {
-        why = "no CUDA device: " + std::to_string(uuids.size()) +
-              " GPU(s) listed in " + gpus_dir() + ", none visible" +
-              (std::getenv("CUDA_VISIBLE_DEVICES") ? " with CUDA_VISIBLE_DEVICES=" +
-                   std::string(std::getenv("CUDA_VISIBLE_DEVICES")) : std::string());
-      }
+      if (count == 0) why = none_visible(uuids);
     } else {
       Status st = driver();
       if (!st.ok()) {
@@ -454,7 +471,9 @@ int cuda_device_count(std::string* why_none) {
 }
 
 int cuda_current_device() {
-  if (!load() || forked_after_init()) return -1;
+  // No driver in the process: no context can be current, and loading one to
+  // find that out is what driver_in_process() avoids.
+  if (!driver_in_process() || !load() || forked_after_init()) return -1;
   // Before cuInit this fails with CUDA_ERROR_NOT_INITIALIZED: then no
   // context can be current, and we must not initialise to find that out.
   CUcontext ctx = nullptr;
