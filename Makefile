@@ -7,12 +7,18 @@ PIP := $(PY) -m pip --disable-pip-version-check
 
 .PHONY: demo test bench completions clean
 
+# What `make demo` needs: kvcached + kvctl (and the extension they build), nothing else.
 $(VENV)/.base: pyproject.toml setup.py
 	python3 -m venv $(VENV)
+	$(PIP) install -q -e .
+	touch $@
+
+# What the tests add: pytest and friends, then vLLM 0.33 without a GPU.
+$(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
-$(VENV)/.vllm: $(VENV)/.base scripts/install-vllm.sh
+$(VENV)/.vllm: $(VENV)/.test scripts/install-vllm.sh
 	. $(VENV)/bin/activate && bash scripts/install-vllm.sh
 	touch $@
 

@@ -13,7 +13,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 from .decide import Decision, Policy, State, decide_tree, settle
 from .facts import Facts, gather_facts
@@ -151,11 +151,13 @@ def plan(layout: Layout, policy: Policy | None = None, *, facts: Facts | None = 
 class _Actor:
     """The guarded act; `dry_run` is the one guard, at the removing syscall."""
 
-    def __init__(self, dry_run: bool, deadline: float | None) -> None:
+    def __init__(self, dry_run: bool, deadline: float | None,
+                 progress: Callable[[Entry], None] | None = None) -> None:
         self.dry_run = dry_run
         self.deadline = deadline
         self.entries: list[Entry] = []
         self.timed_out = False
+        self.progress = progress
 
     def out_of_time(self) -> bool:
         if self.deadline is not None and time.monotonic() > self.deadline:
@@ -163,7 +165,10 @@ class _Actor:
         return self.timed_out
 
     def record(self, c: Candidate, d: Decision, action: Action, note: str = "") -> None:
-        self.entries.append(Entry(c, d, action, note))
+        e = Entry(c, d, action, note)
+        self.entries.append(e)
+        if self.progress is not None:
+            self.progress(e)
 
     def keep_all(self, c: Candidate, decisions: dict[str, Decision], note: str = "") -> None:
         for sub in c.walk():
@@ -308,17 +313,19 @@ class _Actor:
             os.close(tmp_fd)
 
 
-def execute(p: Plan, *, dry_run: bool, time_limit: float | None = None) -> Report:
+def execute(p: Plan, *, dry_run: bool, time_limit: float | None = None,
+            progress: Callable[[Entry], None] | None = None) -> Report:
     """Act on the plan's stale entries only; everything else is reported as kept.
 
     Segments go first: a socket directory may be the only thing that names its
     segment (an explicit name on upstream's unmarked file), so a run stopped
     between the two (killed, `--time-limit`) must leave the directory, never the
     segment alone. A directory whose segment remains stays for the same reason.
+    `progress` sees every entry as it is recorded.
     """
     started = time.time()
     deadline = time.monotonic() + time_limit if time_limit else None
-    actor = _Actor(dry_run, deadline)
+    actor = _Actor(dry_run, deadline, progress)
     gone: set[str] = set()
     for c in p.roots:
         if c.kind is not Kind.SEGMENT:

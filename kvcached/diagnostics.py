@@ -64,6 +64,7 @@ class Context:
     proc_root: str = "/proc"
     python: str = sys.executable
     timeout: float = 60.0
+    kvctl: str = "kvctl"  # the command fixes name, with the run's options (`kvctl --root DIR`)
 
     @cached_property
     def plan(self) -> Plan:
@@ -134,10 +135,10 @@ def check_shm(ctx: Context) -> list[CheckResult]:
     details: dict[str, Any] = {"free_bytes": free, "free_inodes": inodes}
     if free < 4096 or (vfs.f_files and inodes == 0):
         out += _r("shm-space", g, Status.FAIL, f"{d} is full ({free} bytes, {inodes} inodes free): new segments cannot be created",
-                  "remove stale state: kvctl gc --yes", **details)
+                  f"remove stale state: {ctx.kvctl} gc --yes", **details)
     elif free < (1 << 20) or (vfs.f_files and inodes < 100):
         out += _r("shm-space", g, Status.WARN, f"{d} is nearly full ({free >> 10} KiB, {inodes} inodes free)",
-                  "remove stale state: kvctl gc --yes", **details)
+                  f"remove stale state: {ctx.kvctl} gc --yes", **details)
     else:
         out += _r("shm-space", g, Status.OK, f"{d}: {free >> 20} MiB and {inodes if vfs.f_files else 'unlimited'} inodes free", **details)
     return out
@@ -170,7 +171,7 @@ def check_proc(ctx: Context) -> list[CheckResult]:
     if incomplete:
         return _r("proc-readable", g, Status.WARN,
                   f"{len(incomplete)} engine-like process(es) could not be fully read (e.g. PID {incomplete[0]}): state they could own stays unknown",
-                  "run kvctl as root (sudo kvctl doctor)", pids=incomplete)
+                  f"run kvctl as root (sudo {ctx.kvctl} doctor)", pids=incomplete)
     return _r("proc-readable", g, Status.OK, f"/proc readable ({len(facts.processes)} processes)")
 
 
@@ -183,7 +184,7 @@ def check_privileges(ctx: Context) -> list[CheckResult]:
     if others:
         return _r("privileges", Group.ENVIRONMENT, Status.WARN,
                   f"running as uid {uid}: entries of uid {', '.join(map(str, others))} are reported but never removed",
-                  "run as root to clean them: sudo kvctl gc", uid=uid)
+                  f"run as root to clean them: sudo {ctx.kvctl} gc", uid=uid)
     return _r("privileges", Group.ENVIRONMENT, Status.OK, f"running as uid {uid}; all entries found are ours", uid=uid)
 
 
@@ -261,16 +262,16 @@ def check_stale(ctx: Context) -> list[CheckResult]:
     if stale:
         deps = sorted({e.candidate.deployment or "?" for e in stale})
         out += _r("stale", g, Status.WARN, f"{len(stale)} stale entr{'y' if len(stale) == 1 else 'ies'} of {len(deps)} dead deployment(s): {', '.join(deps)}",
-                  "kvctl gc --yes", paths=[e.path for e in stale])
+                  f"{ctx.kvctl} gc --yes", paths=[e.path for e in stale])
     else:
         out += _r("stale", g, Status.OK, f"no stale entries ({len(entries)} found)")
     if unknown:
         reasons = sorted({str(e.decision.reason) for e in unknown})
         out += _r("unknown", g, Status.WARN, f"{len(unknown)} entr{'y' if len(unknown) == 1 else 'ies'} of unknown liveness ({', '.join(reasons)}): kept",
-                  "run as root for complete evidence: sudo kvctl inspect", paths=[e.path for e in unknown])
+                  f"see why, as root for complete evidence: sudo {ctx.kvctl} inspect", paths=[e.path for e in unknown])
     if foreign:
         out += _r("foreign", g, Status.WARN, f"{len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} not ours ({', '.join(sorted({str(e.decision.reason) for e in foreign}))}): never touched",
-                  "see why: kvctl inspect", paths=[e.path for e in foreign])
+                  f"see why: {ctx.kvctl} inspect", paths=[e.path for e in foreign])
     return out
 
 
@@ -280,7 +281,7 @@ def check_orphans(ctx: Context) -> list[CheckResult]:
         return _r("orphans", Group.NODE, Status.OK, "no orphaned kvcached processes")
     desc = ", ".join(f"PID {p.pid} ({d.name} {p.role.role})" for d, p in orphans[:5])
     return _r("orphans", Group.NODE, Status.WARN, f"{len(orphans)} orphaned process(es): {desc}",
-              "kvctl gc --kill-orphans", pids=[p.pid for _, p in orphans])
+              f"{ctx.kvctl} gc --kill-orphans", pids=[p.pid for _, p in orphans])
 
 
 def check_namespaces(ctx: Context) -> list[CheckResult]:
@@ -290,7 +291,7 @@ def check_namespaces(ctx: Context) -> list[CheckResult]:
     first = ns[0]
     return _r("namespaces", Group.NODE, Status.WARN,
               f"{len(ns)} other mount namespace(s) run kvcached-like processes with their own /tmp or /dev/shm (e.g. PID {first.hint_pid})",
-              f"kvctl inspect --pid {first.hint_pid}", namespaces=[n.to_dict() for n in ns])
+              f"{ctx.kvctl} inspect --pid {first.hint_pid}", namespaces=[n.to_dict() for n in ns])
 
 
 # serving engine ---------------------------------------------------------------

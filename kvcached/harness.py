@@ -316,10 +316,31 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
+def _event(kind: str, **fields: Any) -> None:
+    print(json.dumps({"event": kind, **fields}), flush=True)
+
+
+def _run_demo(args: argparse.Namespace, layout: Layout) -> int:
+    """Start a deployment with the pool, report it, stop it like vLLM 0.33, report that everything died."""
+    from .ipc.client import ping
+
+    dep = start_deployment(args.name, args.tp, args.pp, layout=layout, limit=args.limit, pool=True)
+    try:
+        answers = {f"pp{s}/w{r}": ping(layout.socket_path(args.name, r, s))["pid"] for (s, r) in sorted(dep.worker_pids)}
+        _event("ready", name=args.name, pgid=dep.pgid, api=dep.api_pid, engine=dep.engine_pid, answers=answers)
+        dep.stop_like_vllm()
+    finally:
+        dep.kill()
+    _event("stopped", alive=[p for p in dep.pids if _alive(p)])
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvcached.harness", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--role", choices=("launcher", "api", "engine", "worker"), default="launcher")
+    ap.add_argument("--role", choices=("launcher", "demo", "api", "engine", "worker"), default="launcher",
+                    help="launcher: start a deployment, print it, leave it running; demo: start one, then stop it "
+                         "like vLLM 0.33, printing one JSON line per step (what `kvctl demo` reads)")
     ap.add_argument("--name", required=True, help="IPC name of the deployment")
     ap.add_argument("--root", default="/", help="re-base /tmp and /dev/shm under this directory")
     ap.add_argument("--tp", type=int, default=1)
@@ -337,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({"name": dep.name, "pgid": dep.pgid, "api": dep.api_pid, "engine": dep.engine_pid,
                           "workers": {f"pp{s}/w{r}": p for (s, r), p in dep.worker_pids.items()}}))
         return 0
+    if args.role == "demo":
+        return _run_demo(args, layout)
     if args.role == "worker":
         return _run_worker(args, layout)
     if args.role == "engine":

@@ -3,13 +3,14 @@
 Thin commands over the kvcached core library: each parses its options, calls
 one or two library operations, renders, and returns an exit code (exitcodes.py).
 The library is imported inside the commands, so `--help` and completion stay
-light; nothing here imports torch, vLLM or the compiled extension except
-`limit-percent`, which needs torch to read GPU memory.
+light; nothing here imports torch, vLLM, the compiled extension or kvcached's
+runtime, except `limit-percent`, which needs torch to read GPU memory.
 """
 
-
+from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -17,47 +18,130 @@ from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any, Callable, List, Optional, Sequence
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
-from . import render
+from . import helpfmt, render
 from .exitcodes import CliError, Exit, handle
 from .render import Out, emit_json, note, state_cell
 
 if TYPE_CHECKING:
     from kvcached.cleanup import Entry, Plan, Report
-    from kvcached.inspect import DeploymentView, NodeView
+    from kvcached.inspect import NodeView
     from kvcached.layout import Layout
 
 
 @dataclass
 class Globals:
-    """Options given before the command (`kvctl --root DIR -v gc`)."""
+    """Options given before (or after) the command (`kvctl --root DIR -v gc`)."""
 
     root: str = "/"
     verbose: int = 0
     json: bool = False  # --json anywhere on the line: errors are JSON objects on stdout too
 
+    def prefix(self) -> str:
+        """`kvctl` with this run's global options (`kvctl --root DIR`)."""
+        return " ".join(["kvctl"] + (["--root", _quote(self.root)] if self.root != "/" else []))
+
+    def hinter(self, min_age: float | None = None) -> Callable[[str], str]:
+        """Builds command lines for hints that carry this run's options: pasted as printed, they act on the same node."""
+        from kvcached.decide import DEFAULT_GRACE
+
+        age = f" --min-age {min_age:g}" if min_age is not None and min_age != DEFAULT_GRACE else ""
+
+        def hint(command: str) -> str:
+            return f"{self.prefix()} {command}{age if command.split()[0] in ('gc', 'inspect', 'delete') else ''}"
+        return hint
+
 
 G = Globals()
+
+
+def _quote(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
+
+
+_VERBOSE = re.compile(r"-v+\Z")
+
+
+def hoist_globals(argv: list[str]) -> list[str]:
+    """Move -v/--verbose and --root DIR given after the command to before it, where typer reads them."""
+    head: list[str] = []
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        head.append(argv[i])
+        if argv[i] == "--root" and i + 1 < len(argv):
+            head.append(argv[i + 1])
+            i += 1
+        i += 1
+    if i >= len(argv):
+        return argv
+    moved, rest = [], [argv[i]]
+    j = i + 1
+    while j < len(argv):
+        a = argv[j]
+        if a == "--":
+            rest += argv[j:]
+            break
+        if a == "--verbose" or _VERBOSE.match(a):
+            moved.append(a)
+        elif a == "--root" and j + 1 < len(argv):
+            moved += argv[j:j + 2]
+            j += 1
+        elif a.startswith("--root="):
+            moved.append(a)
+        else:
+            rest.append(a)
+        j += 1
+    return head + moved + rest
+
+
+def _has_command(argv: list[str]) -> bool:
+    """A command word, or an option that answers by itself (--help, --version)."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-h", "--help", "--version") or not a.startswith("-"):
+            return True
+        i += 2 if a == "--root" else 1
+    return False
+
+
+class KvctlCommand(TyperCommand):
+    """Every command: our own --help (real metavars, examples, exit codes)."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        helpfmt.format_command(self, ctx, formatter, self.name or "")
 
 
 class KvctlGroup(TyperGroup):
     """Runs every command through the one exception → exit code mapping (also under CliRunner)."""
 
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        helpfmt.format_group(self, ctx, formatter)
+
     def main(self, args: Any = None, prog_name: str | None = None,  # type: ignore[override]
              complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
         global G
         argv = list(args) if args is not None else sys.argv[1:]
-        G = Globals(json="--json" in argv)
-        if os.environ.get(complete_var or "_KVCTL_COMPLETE"):
+        completing = bool(os.environ.get(complete_var or "_KVCTL_COMPLETE"))
+        if completing:
             from typer._completion_classes import completion_init
 
             completion_init()  # typer's bash/zsh/fish protocol, as in the committed scripts
+        else:
+            argv = hoist_globals(argv)
+            if not _has_command(argv):
+                # Upstream's bare `kvctl` opened its shell; off a terminal that would read
+                # stdin as commands, so there it prints help instead.
+                argv += ["shell"] if sys.stdin.isatty() and sys.stdout.isatty() else ["--help"]
+        G = Globals(json="--json" in argv)
         from .coerce import install
 
         install(self)
         try:
-            rv = super().main(args=args, prog_name=prog_name or "kvctl", complete_var=complete_var,
+            rv = super().main(args=argv, prog_name=prog_name or "kvctl", complete_var=complete_var,
                               standalone_mode=False, **extra)
             code = int(rv) if isinstance(rv, int) else 0
         except SystemExit:
@@ -74,12 +158,19 @@ app = typer.Typer(
     name="kvctl",
     help="Find, explain and safely remove kvcached state (limit segments in /dev/shm, worker sockets in /tmp).",
     add_completion=False,
-    no_args_is_help=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout (schema in docs/KVCTL.md).")]
+
+def command(name: str | None = None, **kw: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """app.command with our help formatter."""
+    return app.command(name, cls=KvctlCommand, **kw)
+
+
+def json_opt(cmd: str) -> Any:
+    """The --json flag of `cmd`, its help naming the schema file of this install."""
+    return Annotated[bool, typer.Option("--json", metavar="", help=helpfmt.json_help(cmd))]
 
 
 def _version(value: bool) -> None:
@@ -94,13 +185,15 @@ def _version(value: bool) -> None:
 def _global(
     root: Annotated[Optional[str], typer.Option(
         "--root", envvar="KVCTL_ROOT", metavar="DIR",
-        help="Re-base /tmp and /dev/shm under DIR (/proc stays real). Env: KVCTL_ROOT.")] = None,
-    verbose: Annotated[int, typer.Option("-v", "--verbose", count=True,
-                                         help="More detail; tracebacks on errors.")] = 0,
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+        help="Re-base /tmp and /dev/shm under DIR (/proc stays real): tests, chroots, a pod's volumes. "
+             "Env: KVCTL_ROOT.")] = None,
+    verbose: Annotated[int, typer.Option("-v", "--verbose", count=True, metavar="",
+                                         help="More detail (live entries gc kept, timings); tracebacks on "
+                                              "errors. Repeatable.")] = 0,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, metavar="",
                                           help="Print the version and exit.")] = False,
 ) -> None:
-    """Global options go before the command: kvctl [--root DIR] [-v] COMMAND [ARGS] [--json]."""
+    """Global options go before or after the command: kvctl [--root DIR] [-v] COMMAND [ARGS] [--json]."""
     G.verbose = verbose
     if root:
         if not os.path.isdir(root):
@@ -143,15 +236,24 @@ def _percent(raw: str) -> float:
     return parse_percent(raw)
 
 
+def _interval(raw: str) -> float:
+    from kvcached.units import parse_interval
+
+    return parse_interval(raw)
+
+
+def _node_names(root: str) -> set[str]:
+    from kvcached.layout import Layout
+    from kvcached.scan import scan
+
+    return {c.deployment for c in scan(Layout(root)).candidates if c.deployment and c.hash_ok}
+
+
 def complete_names(ctx: typer.Context, incomplete: str) -> List[str]:
     """IPC names present on the node (a fast scan: no /proc pass), for shell completion."""
     try:
-        from kvcached.layout import Layout
-        from kvcached.scan import scan
-
         root = ctx.find_root().params.get("root") or os.environ.get("KVCTL_ROOT") or "/"
-        names = {c.deployment for c in scan(Layout(root)).candidates if c.deployment and c.hash_ok}
-        return sorted(n for n in names if n.startswith(incomplete))
+        return sorted(n for n in _node_names(root) if n.startswith(incomplete))
     except Exception:  # completion must never print a traceback into the shell
         return []
 
@@ -175,43 +277,50 @@ def _layout() -> "Layout":
     return Layout(G.root)
 
 
-def _plan(layout: "Layout", names: List[str] | None, grace: float | None = None,
-          kinds: List[KindChoice] | None = None, extra: Sequence[str] = ()) -> "Plan":
-    from kvcached.cleanup import plan
-    from kvcached.decide import DEFAULT_GRACE, Policy
+def _plan(layout: "Layout", names: Sequence[str] | None, grace: float | None = None,
+          kinds: Sequence[KindChoice] | None = None) -> "Plan":
+    from kvcached.decide import DEFAULT_GRACE
+    from kvcached.gcrun import make_plan
     from kvcached.scan import Kind
 
-    names = names or []
-    exact = [n for n in names if not any(ch in n for ch in "*?[")] + list(extra)
-    return plan(layout, Policy(grace=DEFAULT_GRACE if grace is None else grace), names=exact, globs=names,
-                kinds=[Kind(k.value) for k in kinds or []])
+    return make_plan(layout, names or (), DEFAULT_GRACE if grace is None else grace,
+                     [Kind(k.value) for k in kinds or []])
+
+
+def _view(names: Sequence[str] | None, grace: float | None = None, *, namespaces: bool = False,
+          layout: "Layout | None" = None) -> "NodeView":
+    from kvcached.inspect import build_view
+
+    return build_view(_plan(layout or _layout(), names, grace), namespaces=namespaces)
 
 
 def _interactive() -> bool:
     return sys.stdin.isatty() and sys.stdout.isatty()
 
 
-# rendering of shared shapes ---------------------------------------------------------
+NamesArg = Annotated[Optional[List[str]], typer.Argument(metavar="NAME", autocompletion=complete_names,
+                                                         help="IPC names or globs (default: all).")]
+MinAgeOpt = Annotated[float, typer.Option("--min-age", parser=_parser(_duration), metavar="AGE", show_default="60s",
+                                          help="Grace age: what changed more recently is young, never removed "
+                                               "(0, 90, 90s, 10m, 2h, 1d).")]
+# A negative size must reach the size parser ("must not be negative"), not read as an option.
+NEGATIVE_OK = {"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
+
 
 # commands ------------------------------------------------------------------------
 
-@app.command("list")
-def list_cmd(
-    names: Annotated[Optional[List[str]], typer.Argument(metavar="NAME", autocompletion=complete_names,
-                                                         help="IPC names or globs (default: all).")] = None,
-    json_out: JsonOpt = False,
-) -> int:
-    """List limit segments with their limit, usage and state (live / stale / unknown)."""
-    from kvcached.inspect import build_view
+@command("list")
+def list_cmd(names: NamesArg = None, json_out: json_opt("list") = False) -> int:
+    """List limit segments: limit, used, prealloc, free, age, processes, and whether they are live or stale."""
     from kvcached.units import format_duration
 
-    view = build_view(_plan(_layout(), names), namespaces=False)
-    rows = [_list_row(d) for d in view.deployments if d.segment_entry() is not None]
+    from .listing import list_rows, size_cells
+
+    rows = list_rows(_view(names))
     if names and not rows:
         raise CliError(f"no segment matches {' '.join(names)}", Exit.NOT_FOUND)
     if json_out:
-        # Upstream's shape: a JSON array of {"ipc", "limit_bytes", "used_bytes"},
-        # ours added to each element (kvctl/schemas/list.json).
+        # Upstream's shape: a JSON array of {"ipc", "limit_bytes", "used_bytes"}, ours added.
         emit_json(rows)
         return Exit.OK
     out = Out()
@@ -220,39 +329,12 @@ def list_cmd(
         return Exit.OK
     now = time.time()
     out.table(["NAME", "STATE", "LIMIT", "USED", "PREALLOC", "FREE", "AGE", "PIDS"],
-              [[r["ipc"], state_cell(r["state"]), *_size_cells(r), format_duration(now - r["mtime"]),
-                render.pids(r["pids"]) or "-"] for r in rows], indent=0)
+              [[r["ipc"], state_cell(r["state"]), *size_cells(r), format_duration(now - r["mtime"]),
+                render.pids(r["pids"]) or "-"] for r in rows], indent=0, fold=(0,))
     for r in rows:
-        if r["problems"]:
-            note(f"{r['ipc']}: {'; '.join(r['problems'])}")
-        if r["error"]:
-            note(f"{r['ipc']}: {r['error']}")
+        for problem in r["problems"] + ([r["error"]] if r["error"] else []):
+            note(f"{r['ipc']}: {problem}")
     return Exit.OK
-
-
-def _list_row(d: "DeploymentView") -> dict[str, Any]:
-    seg = d.segment_entry()
-    assert seg is not None
-    info = d.segment
-    ok = info is not None and info.valid
-    return {"ipc": d.name,
-            "limit_bytes": info.total if info else None, "used_bytes": info.used if info else None,
-            "prealloc_bytes": info.prealloc if info else None,
-            "free_bytes": max(0, info.total - info.used - info.prealloc) if info and ok else None,
-            "state": str(seg.state), "reason": str(seg.decision.reason), "detail": seg.decision.detail,
-            "pids": sorted(p.pid for p in d.processes), "path": seg.path, "mtime": seg.candidate.mtime,
-            "uid": seg.candidate.uid, "problems": list(info.problems) if info else [],
-            "error": d.segment_error}
-
-
-def _size_cells(r: dict[str, Any]) -> list[render.Cell]:
-    """LIMIT, USED, PREALLOC, FREE; a negative value is shown as the impossible value it is."""
-    from kvcached.units import format_size
-
-    def cell(v: int | None) -> render.Cell:
-        return (f"{v}!", "bold red") if v is not None and v < 0 else format_size(v)
-
-    return [cell(r["limit_bytes"]), cell(r["used_bytes"]), cell(r["prealloc_bytes"]), cell(r["free_bytes"])]
 
 
 def _set_limit(name: str, total: int, json_out: bool, how: str) -> int:
@@ -274,28 +356,26 @@ def _set_limit(name: str, total: int, json_out: bool, how: str) -> int:
     return Exit.OK
 
 
-# A negative size must reach the size parser ("must not be negative"), not read as an option.
-NEGATIVE_OK = {"ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
-
-
-@app.command(context_settings=NEGATIVE_OK)
+@command(context_settings=NEGATIVE_OK)
 def limit(
-    name: Annotated[str, typer.Argument(autocompletion=complete_names, help="IPC name of the deployment.")],
+    name: Annotated[str, typer.Argument(metavar="NAME", autocompletion=complete_names,
+                                        help="IPC name of the deployment.")],
     size: Annotated[int, typer.Argument(parser=_parser(_size), metavar="SIZE",
-                                        help="New limit: 512M, 2G, 1.5GiB, 100_000 (bytes).")],
-    json_out: JsonOpt = False,
+                                        help="New limit: 512M, 2G, 1.5GiB, 100_000 (bytes; binary units).")],
+    json_out: json_opt("limit") = False,
 ) -> int:
-    """Set a deployment's KV-cache limit (refuses anything that is not a kvcached segment)."""
+    """Set a deployment's KV-cache limit, live (refuses anything that is not a kvcached segment)."""
     return _set_limit(name, size, json_out, "set")
 
 
-@app.command("limit-percent", context_settings=NEGATIVE_OK)
+@command("limit-percent", context_settings=NEGATIVE_OK)
 def limit_percent(
-    name: Annotated[str, typer.Argument(autocompletion=complete_names, help="IPC name of the deployment.")],
+    name: Annotated[str, typer.Argument(metavar="NAME", autocompletion=complete_names,
+                                        help="IPC name of the deployment.")],
     percent: Annotated[float, typer.Argument(parser=_parser(_percent), metavar="PCT",
                                              help="Percentage of the GPU's total memory, in (0, 100].")],
-    device: Annotated[int, typer.Option("--device", help="CUDA device index.")] = 0,
-    json_out: JsonOpt = False,
+    device: Annotated[int, typer.Option("--device", metavar="N", help="CUDA device index.")] = 0,
+    json_out: json_opt("limit") = False,
 ) -> int:
     """Set a deployment's limit to a percentage of GPU memory (loads PyTorch, only here)."""
     _layout().segment_path(name)  # validate the name before paying for torch
@@ -311,176 +391,91 @@ def limit_percent(
     return _set_limit(name, int(total_mem * percent / 100), json_out, f"{percent:g}% of GPU {device}")
 
 
-def _loop(interval: float, count: int, draw: Callable[[Out], None]) -> int:
-    """Redraw every `interval` seconds: a rich Live view on a terminal, timestamped snapshots elsewhere."""
-    if count < 0:
-        raise CliError("--count must be 0 (forever) or more", Exit.USAGE)
-    out = Out()
-    n = 0
-    if out.styled:
-        from rich.live import Live
-
-        with Live(_captured(draw), console=out.console, auto_refresh=False) as live:
-            while True:
-                n += 1
-                if count and n >= count:
-                    return Exit.OK
-                time.sleep(interval)
-                live.update(_captured(draw), refresh=True)
-    while True:
-        out.line(time.strftime("%Y-%m-%d %H:%M:%S"))
-        draw(out)
-        out.blank()
-        out.flush()
-        n += 1
-        if count and n >= count:
-            return Exit.OK
-        time.sleep(interval)
+CountOpt = Annotated[int, typer.Option("--count", metavar="N", min=0,
+                                       help="Stop after N refreshes (0: until q or Ctrl-C).")]
 
 
-def _captured(draw: Callable[[Out], None]) -> Any:
-    import io
-
-    from rich.text import Text
-
-    buf = io.StringIO()
-    draw(Out(buf, styled=True))
-    return Text.from_ansi(buf.getvalue())
+def _interval_opt(default: str) -> Any:
+    return Annotated[float, typer.Option("-n", "--interval", "-r", "--refresh", metavar="SEC",
+                                         parser=_parser(_interval), show_default=default,
+                                         help="Seconds between refreshes (above 0, at most a day: 2, 0.5, 10s, "
+                                              "1m). -r/--refresh as in upstream's kvtop.")]
 
 
-def _draw_list(out: Out) -> None:
-    from kvcached.inspect import build_view
+@command()
+def watch(names: NamesArg = None, interval: _interval_opt("2") = 2.0, count: CountOpt = 0) -> int:
+    """The list table every SEC seconds: redrawn in place on a terminal (q quits), snapshots elsewhere."""
+    from .live import draw_list, loop
 
-    view = build_view(_plan(_layout(), None), namespaces=False)
-    rows = [[r["ipc"], state_cell(r["state"]), *_size_cells(r)[:3]]
-            for r in (_list_row(d) for d in view.deployments if d.segment_entry() is not None)]
-    if rows:
-        out.table(["NAME", "STATE", "LIMIT", "USED", "PREALLOC"], rows, indent=0)
-    else:
-        out.line("No kvcached segments.")
+    return loop(interval, count, draw_list(names or (), lambda n: _view(n)))
 
 
-def _draw_top(out: Out) -> None:
-    from kvcached.inspect import build_view
-    from kvcached.units import format_size
+def _top(names: Sequence[str], interval: float, count: int) -> int:
+    from .live import draw_top, loop
 
-    view = build_view(_plan(_layout(), None), namespaces=False)
-    out.line(("kvtop", "bold"), f"  {time.strftime('%H:%M:%S')}  root {G.root}  "
-             f"{len(view.deployments)} deployment(s), {len(view.orphans)} orphaned process(es)")
-    rows = []
-    for d in view.deployments:
-        i = d.segment
-        pct = f"{100 * i.used / i.total:.0f}%" if i and i.total else "-"
-        bar = ""
-        if i and i.total:
-            filled = min(20, round(20 * (i.used + i.prealloc) / i.total))
-            bar = "#" * filled + "." * (20 - filled)
-        socks = sum(1 for e in d.entries if str(e.kind) == "socket")
-        rows.append([d.name, state_cell(d.state), format_size(i.total if i else None), format_size(i.used if i else None),
-                     format_size(i.prealloc if i else None), pct, bar or "-", str(socks), str(len(d.processes)),
-                     (str(len(d.orphans)), "bold yellow") if d.orphans else "0"])
-    out.table(["NAME", "STATE", "LIMIT", "USED", "PREALLOC", "USE%", "USAGE", "SOCKETS", "PROCS", "ORPHANS"], rows,
-              indent=0)
+    return loop(interval, count, draw_top(names, lambda n: _view(n), G.root))
 
 
-def _interval(raw: str) -> float:
-    from kvcached.units import parse_interval
-
-    return parse_interval(raw)
-
-
-IntervalOpt = Annotated[float, typer.Option("-n", "--interval", metavar="SEC", parser=_parser(_interval),
-                                            help="Seconds between refreshes (above 0, at most a day; 2, 0.5, 10s, 1m).")]
-CountOpt = Annotated[int, typer.Option("--count", metavar="N", help="Stop after N refreshes (0: until Ctrl-C).")]
+@command()
+def top(names: NamesArg = None, interval: _interval_opt("1") = 1.0, count: CountOpt = 0) -> int:
+    """A live view of every deployment: limit, usage, sockets, processes, orphans (q quits). Also `kvtop`."""
+    return _top(names or (), interval, count)
 
 
-@app.command()
-def watch(interval: IntervalOpt = 2.0, count: CountOpt = 0) -> int:
-    """Print the segment list every SEC seconds (Ctrl-C to stop)."""
-    return _loop(interval, count, _draw_list)
+@command("kvtop")
+def kvtop_cmd(names: NamesArg = None, interval: _interval_opt("1") = 1.0, count: CountOpt = 0) -> int:
+    """Upstream's name for top: the same live view."""
+    return _top(names or (), interval, count)
 
 
-@app.command()
-def top(interval: IntervalOpt = 1.0, count: CountOpt = 0) -> int:
-    """A live view of every deployment's usage, processes and orphans (also installed as kvtop)."""
-    return _loop(interval, count, _draw_top)
-
-
-@app.command()
+@command()
 def delete(
-    name: Annotated[str, typer.Argument(autocompletion=complete_names, help="IPC name of the deployment.")],
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask before removing an entry of unknown or young state.")] = False,
-    min_age: Annotated[float, typer.Option("--min-age", parser=_parser(_duration), metavar="AGE", show_default="60s",
-                                           help="Grace age: entries changed more recently are young "
-                                                "(0, 90, 90s, 10m, 2h, 1d).")] = 60.0,
-    json_out: JsonOpt = False,
+    name: Annotated[str, typer.Argument(metavar="NAME", autocompletion=complete_names,
+                                        help="IPC name of the deployment.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", metavar="",
+                                      help="Also remove entries of unknown or young state.")] = False,
+    min_age: MinAgeOpt = 60.0,
+    json_out: json_opt("gc") = False,
 ) -> int:
-    """Remove one deployment's segment and stale sockets, with the same decision gc uses (never a live one)."""
-    from dataclasses import replace
+    """Remove one deployment's segment and stale sockets, deciding as gc does (never a live one)."""
+    from kvcached.gcrun import outcome_of, run_delete
 
-    from kvcached.cleanup import execute
-    from kvcached.decide import State
+    def ask(doubtful: list[tuple[Any, Any]]) -> bool:
+        if not _interactive():
+            return False
+        what = "\n".join(f"  {c.path}: {d.state} ({d.detail})" for c, d in doubtful[:10])
+        return typer.confirm(f"{what}\nDelete anyway?", default=False, err=True)
 
-    layout = _layout()
-    layout.segment_path(name)  # InvalidName → usage
-    p = _plan(layout, [name], grace=min_age)
-    entries = p.entries()
-    if not entries:
-        raise CliError(f"{name}: no such deployment (no segment or socket directory under {G.root})", Exit.NOT_FOUND)
-    states = {d.state for _, d in entries}
-    live = [(c, d) for c, d in entries if d.state is State.LIVE]
-    if live and any(str(c.kind) == "segment" for c, _ in live):
-        c, d = next((c, d) for c, d in live if str(c.kind) == "segment")
-        who = f" (PID {render.pids(d.pids)})" if d.pids else ""
-        raise CliError(f"{name} is live{who}: {d.detail}; refusing to delete", Exit.REFUSED)
-    foreign = [(c, d) for c, d in entries if d.state is State.FOREIGN and str(c.kind) == "segment"]
-    if foreign:
-        c, d = foreign[0]
-        raise CliError(f"{c.path}: not ours to delete ({d.detail})", Exit.REFUSED)
-    doubtful = [(c, d) for c, d in entries if d.state in (State.UNKNOWN, State.YOUNG)]
-    if doubtful:
-        what = "; ".join(f"{c.path}: {d.state} ({d.detail})" for c, d in doubtful[:3])
-        if not yes:
-            if not _interactive():
-                raise CliError(f"{name}: liveness not proven dead ({what}); re-run with --yes to delete anyway",
-                               Exit.REFUSED)
-            if not typer.confirm(f"{what}\nDelete anyway?", default=False, err=True):
-                raise CliError("nothing deleted", Exit.REFUSED)
-        # The operator vouched for these: act on them as stale, through the same guarded removal.
-        p.decisions.update({c.path: replace(d, state=State.STALE, detail=d.detail + "; deleted on request")
-                            for c, d in doubtful})
-    report = execute(p, dry_run=False)
-    code = Exit.PARTIAL_FAILURE if report.failures else Exit.STALE_REMAIN if report.stale_remaining else Exit.OK
+    report = run_delete(_layout(), name, grace=min_age, vouch=yes, confirm=ask)
+    code = _exit(outcome_of(report))
     if json_out:
         emit_json({"schema": "kvctl.delete/1", "root": G.root, "dry_run": False,
                    "entries": [e.to_dict() for e in report.entries], "summary": report.summary(),
                    "errors": report.errors, "exit_code": int(code)})
-    else:
-        render.render_report(Out(), report, verbose=G.verbose > 0)
-        if State.LIVE in states:
-            note(f"kept live sockets of {name}: a process still serves them")
+        return code
+    render.render_report(Out(), report, verbose=G.verbose > 0)
+    if any(str(e.state) == "live" for e in report.entries):
+        note(f"kept live sockets of {name}: a process still serves them")
     return code
 
 
-@app.command()
+@command()
 def inspect(
-    names: Annotated[Optional[List[str]], typer.Argument(metavar="NAME", autocompletion=complete_names,
-                                                         help="IPC names or globs (default: all).")] = None,
+    names: NamesArg = None,
     pid: Annotated[Optional[int], typer.Option("--pid", metavar="PID",
                                                help="Inspect the node as PID sees it (its mount namespace).")] = None,
-    min_age: Annotated[float, typer.Option("--min-age", parser=_parser(_duration), metavar="AGE", show_default="60s",
-                                           help="Grace age used to judge staleness (0, 90, 90s, 10m, 2h, 1d).")] = 60.0,
-    json_out: JsonOpt = False,
+    min_age: MinAgeOpt = 60.0,
+    json_out: json_opt("inspect") = False,
 ) -> int:
-    """Show every deployment: its segment, sockets, processes, orphans, and why each entry is live or stale."""
-    from kvcached.inspect import build_view, layout_for_pid
+    """Every deployment: its segment, sockets, processes, orphans, and why each entry is live or stale."""
+    from kvcached.inspect import layout_for_pid
 
     layout = _layout()
     if pid is not None:
         if pid <= 0:
             raise CliError(f"--pid {pid}: not a process id", Exit.USAGE)
         layout = layout_for_pid(pid, G.root)
-    view = build_view(_plan(layout, names, grace=min_age))
+    view = _view(names, min_age, namespaces=True, layout=layout)
     if names and not view.deployments:
         raise CliError(f"no deployment matches {' '.join(names)}", Exit.NOT_FOUND)
     if json_out:
@@ -488,151 +483,124 @@ def inspect(
         doc["pid"] = pid
         emit_json(doc)
         return Exit.OK
-    render.render_view(Out(), view, now=time.time())
+    render.render_view(Out(), view, now=time.time(), hint=G.hinter(min_age))
     return Exit.OK
 
 
-@app.command()
+def _exit(outcome: Any) -> Exit:
+    return {"clean": Exit.OK, "stale_remain": Exit.STALE_REMAIN, "partial_failure": Exit.PARTIAL_FAILURE}[str(outcome)]
+
+
+class _Progress:
+    """A transient count of entries on stderr while gc removes (a terminal only; rich)."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                            console=Console(stderr=True), transient=True)
+        self.task = self.bar.add_task("gc: starting")
+        self.seen = self.removed = 0
+
+    def __call__(self, e: "Entry") -> None:
+        self.seen += 1
+        self.removed += str(e.action) in ("removed", "would_remove")
+        if self.seen % 64 == 0:
+            self.bar.update(self.task, description=f"gc: {self.seen} entries, {self.removed} removed")
+
+    def __enter__(self) -> "_Progress":
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.stop()
+
+
+@command()
 def gc(
     names: Annotated[Optional[List[str]], typer.Argument(metavar="NAME", autocompletion=complete_names,
-                                                         help="Only deployments matching these names or globs.")] = None,
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Remove without asking (cron, scripts).")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would be removed; remove nothing.")] = False,
-    min_age: Annotated[float, typer.Option("--min-age", parser=_parser(_duration), metavar="AGE", show_default="60s",
-                                           help="Grace age: never remove what changed more recently "
-                                                "(0, 90, 90s, 10m, 2h, 1d).")] = 60.0,
-    kinds: Annotated[Optional[List[KindChoice]], typer.Option("--kind", help="Only this kind (repeatable).")] = None,
-    time_limit: Annotated[float, typer.Option("--time-limit", parser=_parser(_duration), metavar="DURATION", show_default="5m",
-                                              help="Bound for the whole run (0: none); what is left is reported kept.")] = 300.0,
+                                                         help="Only deployments matching these names or globs "
+                                                              "(none matching: exit 6).")] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", metavar="", help="Remove without asking (cron, scripts).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", metavar="",
+                                          help="Show what would be removed; remove nothing.")] = False,
+    min_age: MinAgeOpt = 60.0,
+    kinds: Annotated[Optional[List[KindChoice]], typer.Option(
+        "--kind", metavar="KIND", help="Only segment, socket (with their directories) or directory.")] = None,
+    time_limit: Annotated[float, typer.Option("--time-limit", parser=_parser(_duration), metavar="DURATION",
+                                              show_default="5m", help="Bound for the whole run (0: none); what "
+                                                                      "is left is reported kept.")] = 300.0,
     prometheus: Annotated[Optional[str], typer.Option("--prometheus", metavar="FILE",
-                                                      help="Write node_exporter textfile metrics to FILE (atomically).")] = None,
-    kill_orphans: Annotated[bool, typer.Option("--kill-orphans",
+                                                      help="Write node_exporter textfile metrics to FILE "
+                                                           "(atomically; a regular file or absent).")] = None,
+    kill_orphans: Annotated[bool, typer.Option("--kill-orphans", metavar="",
                                                help="Terminate orphaned workers of deployments whose engine is "
                                                     "confirmed gone (asks first unless --yes).")] = False,
-    json_out: JsonOpt = False,
+    json_out: json_opt("gc") = False,
 ) -> int:
     """Remove stale kvcached state: only what every signal proves dead and older than --min-age."""
-    from kvcached.cleanup import execute
+    from kvcached.gcrun import GcOptions, run_gc
+    from kvcached.scan import Kind
 
-    started = time.monotonic()
-    wall_start = time.time()
-    layout = _layout()
-    if prometheus:
-        from kvcached.metrics import check_target
-
-        check_target(prometheus)  # before any work: a bad target must not cost a run
-    lock = None
-    if not dry_run:  # a dry run changes nothing, so it neither needs nor blocks the lock
-        from kvcached.gclock import GcLock, LockBusy
-
-        lock = GcLock(layout)
-        try:
-            lock.acquire()
-        except LockBusy:
-            if prometheus:
-                from kvcached import metrics
-
-                metrics.write_lock_busy(prometheus, wall_start, time.time())
-            raise
-    try:
-        p = _plan(layout, names, grace=min_age, kinds=kinds)
-        if names and not p.matched:
-            raise CliError(f"no deployment matches {' '.join(names)} under {G.root}", Exit.NOT_FOUND)
-        view = _orphan_view(p)
-        killed: List[Any] = []
-        if kill_orphans and not dry_run:
-            targets = view.killable_orphans()
-            if targets:
-                desc = ", ".join(f"PID {o.pid} ({d.name} {o.role.role})" for d, o in targets)
-                go = yes or (_interactive() and typer.confirm(f"Terminate orphaned {desc}?", default=False, err=True))
-                if go:
-                    from kvcached.orphans import terminate
-
-                    killed = terminate([o.info for _, o in targets], grace=5.0)
-                    # Their segment may be named only by the processes just killed: name it explicitly.
-                    orphaned = sorted({d.name for d, _ in targets})
-                    p = _plan(layout, names, grace=min_age, kinds=kinds, extra=orphaned)
-                    view = _orphan_view(p)
-                else:
-                    note("orphans not terminated: confirm on a terminal or pass --yes")
-        effective_dry = dry_run
-        shown = False  # the plan was already shown at the prompt
-        stale = [c for c, d in p.entries() if str(d.state) == "stale"]
-        if not dry_run and not yes and stale:
-            if _interactive():
-                shown = True
-                from kvcached.cleanup import execute as preview
-
-                render.render_report(Out(), preview(p, dry_run=True), verbose=G.verbose > 0)
-                effective_dry = not typer.confirm(f"Remove {len(stale)} stale entr{'y' if len(stale) == 1 else 'ies'}?",
-                                                  default=False, err=True)
-            else:
-                effective_dry = True
-            if effective_dry:
-                note(f"nothing removed: {len(stale)} stale entr{'y' if len(stale) == 1 else 'ies'} remain; "
-                     "re-run with --yes to remove them")
-        # The bound covers the whole run: planning and killing count against it. 0 means no bound.
-        remaining = max(1e-9, time_limit - (time.monotonic() - started)) if time_limit else None
-        report = execute(p, dry_run=effective_dry, time_limit=remaining)
-    finally:
-        if lock is not None:
-            lock.release()
-    kill_failed = [k for k in killed if str(k.outcome) == "failed"]
-    if report.failures or kill_failed:
-        code = Exit.PARTIAL_FAILURE
-    elif report.stale_remaining:
-        code = Exit.STALE_REMAIN
-    else:
-        code = Exit.OK
-    orphans = [(d, o) for d, o in view.orphans]
-    if prometheus:
-        from kvcached import metrics
-
-        metrics.write_report(prometheus, report, success=code is Exit.OK and not effective_dry, orphans=len(orphans),
-                             started=wall_start)
-    if json_out:
-        emit_json({"schema": "kvctl.gc/1", "root": G.root, "dry_run": effective_dry,
-                   "entries": [e.to_dict() for e in report.entries], "summary": report.summary(),
-                   "orphans": [{"deployment": d.name, **o.to_dict()} for d, o in orphans],
-                   "killed": [k.to_dict() for k in killed], "errors": report.errors, "exit_code": int(code)})
-        return code
     out = Out()
-    if not (shown and effective_dry):
-        render.render_report(out, report, verbose=G.verbose > 0)
-    for k in killed:
-        out.line(f"orphan PID {k.pid}: {k.outcome}" + (f" ({k.detail})" if k.detail else ""))
-    if orphans and not killed:
-        killable = {o.pid for _, o in view.killable_orphans()}
-        for d, o in orphans:
-            hint = "kvctl gc --kill-orphans terminates it" if o.pid in killable else "not killable by kvctl"
-            out.line(("hint: ", "yellow"), f"orphaned {o.role.role} PID {o.pid} of {d.name}: {o.orphan_reason}; {hint}")
+    terminal = out.terminal and not json_out
+    hint = G.hinter(min_age)
+
+    def confirm(p: "Plan", preview: "Report") -> bool:
+        if not _interactive():
+            return False
+        render.render_report(out, preview, verbose=G.verbose > 0, by_deployment=True)
+        stale = sum(1 for e in preview.entries if str(e.action) == "would_remove")
+        deps = len({e.candidate.deployment for e in preview.entries if str(e.action) == "would_remove"})
+        return typer.confirm(f"Remove {stale} stale entr{'y' if stale == 1 else 'ies'} of {deps} deployment(s)?",
+                             default=False, err=True)
+
+    def confirm_kill(targets: list[Any]) -> bool:
+        desc = ", ".join(f"PID {o.pid} ({d.name} {o.role.role})" for d, o in targets)
+        return _interactive() and typer.confirm(f"Terminate orphaned {desc}?", default=False, err=True)
+
+    opts = GcOptions(_layout(), tuple(names or ()), min_age, tuple(Kind(k.value) for k in kinds or ()), dry_run,
+                     yes, time_limit or None, kill_orphans, prometheus)
+    if terminal and not dry_run and (yes or not _interactive()):
+        with _Progress() as progress:
+            result = run_gc(opts, confirm=confirm, confirm_kill=confirm_kill, progress=progress)
+    else:
+        result = run_gc(opts, confirm=confirm, confirm_kill=confirm_kill)
+    report, code = result.report, _exit(result.outcome)
+    if kill_orphans and not dry_run and not yes and not result.killed and result.killable:
+        note("orphans not terminated: confirm on a terminal or pass --yes")
+    if result.declined:
+        stale = len(report.stale_remaining)
+        note(f"nothing removed: {stale} stale entr{'y' if stale == 1 else 'ies'} remain; "
+             f"re-run with --yes to remove them ({hint('gc --yes')})")
+    if json_out:
+        emit_json({"schema": "kvctl.gc/1", "root": G.root, "dry_run": result.dry_run,
+                   "entries": [e.to_dict() for e in report.entries], "summary": report.summary(),
+                   "orphans": [{"deployment": d.name, **o.to_dict()} for d, o in result.orphans],
+                   "killed": [k.to_dict() for k in result.killed], "errors": report.errors, "exit_code": int(code)})
+    elif not (result.declined and _interactive()):  # the prompt already showed the plan
+        render.render_report(out, report, verbose=G.verbose > 0, by_deployment=terminal)
+    if not out.terminal and not result.dry_run:
+        render.log_report(report)  # cron sends stdout to /dev/null: problems and the summary go to stderr
+    if not json_out:
+        for k in result.killed:
+            out.line(f"orphan PID {k.pid}: {k.outcome}" + (f" ({k.detail})" if k.detail else ""))
+        if result.orphans and not result.killed:
+            for d, o in result.orphans:
+                how = f"{hint('gc --kill-orphans')} terminates it" if o.pid in result.killable \
+                    else "not killable by kvctl"
+                out.line(("hint: ", "yellow"), f"orphaned {o.role.role} PID {o.pid} of {d.name}: "
+                         f"{o.orphan_reason}; {how}")
     return code
 
 
-class _NoView:
-    """What gc reports about orphans when the node has no kvcached state at all."""
-
-    orphans: List[Any] = []
-
-    def killable_orphans(self) -> List[Any]:
-        return []
-
-
-def _orphan_view(p: "Plan") -> Any:
-    # Grouping (and its import) only when there is something to group: cron on a clean node stays fast.
-    if not p.roots:
-        return _NoView()
-    from kvcached.inspect import build_view
-
-    return build_view(p, read_segments=False, namespaces=False)
-
-
-@app.command()
+@command()
 def doctor(
     checks: Annotated[Optional[List[str]], typer.Argument(metavar="CHECK", autocompletion=complete_checks,
                                                           help="Checks or groups to run (default: all).")] = None,
-    strict: Annotated[bool, typer.Option("--strict", help="Warnings fail too.")] = False,
-    json_out: JsonOpt = False,
+    strict: Annotated[bool, typer.Option("--strict", metavar="", help="Warnings fail too.")] = False,
+    json_out: json_opt("doctor") = False,
 ) -> int:
     """Diagnose the node: environment, configuration, node state, serving engine; one line and a fix per check."""
     from kvcached import diagnostics as dx
@@ -642,7 +610,7 @@ def doctor(
     except KeyError as e:
         raise CliError(f"unknown check {e.args[0]!r} (checks: {', '.join(dx.CHECK_NAMES)}; groups: "
                        f"{', '.join(str(g) for g in dx.Group)})", Exit.USAGE) from None
-    results = dx.run_checks(dx.Context(_layout()), selected)
+    results = dx.run_checks(dx.Context(_layout(), kvctl=G.prefix()), selected)
     ok = dx.healthy(results, strict=strict)
     code = Exit.OK if ok else Exit.UNHEALTHY
     if json_out:
@@ -667,21 +635,17 @@ def doctor(
     return code
 
 
-@app.command()
+@command()
 def demo(
-    tp: Annotated[int, typer.Option("--tp", min=1, max=8, help="Tensor-parallel workers per stage.")] = 2,
-    pp: Annotated[int, typer.Option("--pp", min=1, max=8, help="Pipeline stages.")] = 2,
-    json_out: JsonOpt = False,
+    tp: Annotated[int, typer.Option("--tp", metavar="N", min=1, max=8, help="Tensor-parallel workers per stage.")] = 2,
+    pp: Annotated[int, typer.Option("--pp", metavar="N", min=1, max=8, help="Pipeline stages.")] = 2,
+    json_out: json_opt("demo") = False,
 ) -> int:
     """Start a real local TP x PP deployment, stop it like vLLM 0.33, inspect the leftovers, gc them, show it clean."""
     import uuid
 
-    from kvcached.cleanup import plan, run_cleanup
-    from kvcached.decide import Policy
-    from kvcached.gclock import GcLock
-    from kvcached.harness import start_deployment
+    from kvcached.gcrun import GcOptions, make_plan, run_gc
     from kvcached.inspect import build_view
-    from kvcached.ipc.client import ping
 
     layout = _layout()
     for d in (layout.tmp_dir, layout.shm_dir):
@@ -698,113 +662,86 @@ def demo(
         out.line((f"[{step}] ", "bold cyan"), (text, "bold"))
 
     say(f"Starting deployment {name}: API server, engine, {tp * pp} workers (TP={tp}, PP={pp})")
-    dep = start_deployment(name, tp, pp, layout=layout, owner_cleanup=False, pool=True)
-    try:
-        answers = [ping(layout.socket_path(name, r, s))["pid"] for (s, r) in sorted(dep.worker_pids)]
-        out.line(f"api PID {dep.api_pid}, engine PID {dep.engine_pid}, workers answering from PIDs "
-                 f"{', '.join(map(str, answers))}", indent=4)
-        say("Stopping it the way vLLM 0.33 does: SIGTERM to the process group, SIGKILL ~20 ms later")
-        dep.stop_like_vllm()
-    finally:
-        dep.kill()
-    out.line("every process is gone; nobody removed the state they made", indent=4)
-    say(f"kvctl inspect --min-age 0 {name}")
-    view = build_view(plan(layout, Policy(grace=0), names=[name], globs=[name]))
-    render.render_view(out, view, now=time.time())
-    say(f"kvctl gc --yes --min-age 0 {name}")
-    with GcLock(layout):
-        report = run_cleanup(layout, Policy(grace=0), names=[name], globs=[name])
-    render.render_report(out, report, verbose=False)
-    after = plan(layout, Policy(grace=0), names=[name], globs=[name])
-    left = [c.path for c, _ in after.entries()]
-    say(f"kvctl inspect {name}")
+    # The runtime runs as its own process (kvctl never imports it); it reports each step as a JSON line.
+    events = _harness_demo(name, tp, pp, layout.root, lambda ev: _demo_event(out, say, ev))
+    if "stopped" not in events:
+        raise CliError(f"the demo deployment did not start or stop: {events.get('error', 'no report')}", Exit.ERROR)
+    say(f"{G.prefix()} inspect --min-age 0 {name}")
+    view = build_view(make_plan(layout, [name], 0.0))
+    render.render_view(out, view, now=time.time(), hint=G.hinter(0))
+    say(f"{G.prefix()} gc --yes --min-age 0 {name}")
+    result = run_gc(GcOptions(layout, (name,), 0.0, yes=True))
+    render.render_report(out, result.report, verbose=False)
+    left = [c.path for c, _ in make_plan(layout, [name], 0.0).entries()]
+    say(f"{G.prefix()} inspect {name}")
     if left:
         out.line(("still there: ", "red"), ", ".join(left), indent=4)
     else:
         out.line(("clean: ", "green"), f"no segment, socket or directory of {name} remains", indent=4)
-    code = Exit.PARTIAL_FAILURE if report.failures else Exit.STALE_REMAIN if left else Exit.OK
+    code = Exit.PARTIAL_FAILURE if result.report.failures else Exit.STALE_REMAIN if left else Exit.OK
     if json_out:
         emit_json({"schema": "kvctl.demo/1", "root": G.root, "name": name, "inspect": view.to_dict(),
-                   "gc": {"entries": [e.to_dict() for e in report.entries], "summary": report.summary()},
+                   "gc": {"entries": [e.to_dict() for e in result.report.entries],
+                          "summary": result.report.summary()},
                    "left": left, "clean": not left, "exit_code": int(code)})
     return code
 
 
-@app.command()
-def shell() -> int:
-    """An interactive prompt for kvctl commands, with TAB completion of commands and live IPC names."""
-    import shlex
+def _harness_demo(name: str, tp: int, pp: int, root: str, on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Run `python -m kvcached.harness --role demo` and hand each JSON line it prints to `on_event`."""
+    import json
+    import subprocess
 
-    commands = sorted({_cmd_name(c) for c in app.registered_commands} - {"shell"})
-    interactive = sys.stdin.isatty()
-    if interactive:
-        _setup_readline(commands)
-        note("kvctl shell: type a command (help for the list, exit or Ctrl-D to leave)")
-    code = int(Exit.OK)
-    root_args = ["--root", G.root] + ["-v"] * G.verbose
-    while True:
-        try:
-            line = input("kvctl> " if interactive else "")
-        except EOFError:
-            return code
-        except KeyboardInterrupt:
-            if interactive:
-                print(file=sys.stderr)
-                continue
-            raise
-        try:
-            words = shlex.split(line)
-        except ValueError as e:
-            render.error_line(f"cannot parse input: {e}")
-            code = Exit.USAGE
-            continue
-        if not words:
-            continue
-        if words[0] in ("exit", "quit"):
-            return code
-        if words[0] == "help":
-            note("commands: " + ", ".join(c for c in commands if c not in ("help", "exit")))
-            code = Exit.OK
-            continue
-        if words[0] not in commands:
-            render.error_line(f"unknown command {words[0]!r} (commands: {', '.join(commands)}, help, exit)")
-            code = Exit.USAGE
-            continue
-        verbose = G.verbose
-        code = typer.main.get_command(app).main(args=root_args + words, prog_name="kvctl", standalone_mode=False)
-        G.verbose = verbose
-
-
-def _cmd_name(info: Any) -> str:
-    return info.name or info.callback.__name__.replace("_", "-")
-
-
-def _setup_readline(commands: List[str]) -> None:
-    try:
-        import readline
-    except ImportError:
-        return
-    root = G.root
-
-    def complete(text: str, state: int) -> str | None:
-        buf = readline.get_line_buffer()
-        if not buf[:readline.get_begidx()].strip():
-            words = [c for c in commands if c.startswith(text)]
-        else:
-            from kvcached.layout import Layout
-            from kvcached.scan import scan
-
+    cmd = [sys.executable, "-m", "kvcached.harness", "--role", "demo", "--name", name, "--tp", str(tp),
+           "--pp", str(pp), "--root", root]
+    events: dict[str, Any] = {}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                          text=True) as p:
+        assert p.stdout is not None and p.stderr is not None
+        for line in p.stdout:
             try:
-                names = {c.deployment for c in scan(Layout(root)).candidates if c.deployment and c.hash_ok}
-            except OSError:
-                names = set()
-            words = sorted(n for n in names if n.startswith(text))
-        return words[state] if state < len(words) else None
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            events[ev.get("event", "?")] = ev
+            on_event(ev)
+        err = p.stderr.read().strip()
+    if p.returncode != 0:
+        events["error"] = (err.splitlines() or [f"exit {p.returncode}"])[-1]
+    return events
 
-    commands = commands + ["help", "exit"]
-    readline.set_completer(complete)
-    readline.set_completer_delims(" \t")
-    readline.parse_and_bind("tab: complete")
+
+def _demo_event(out: Out, say: Callable[[str], None], ev: dict[str, Any]) -> None:
+    if ev.get("event") == "ready":
+        answers = ", ".join(str(v) for v in ev["answers"].values())
+        out.line(f"api PID {ev['api']}, engine PID {ev['engine']}, workers answering from PIDs {answers}", indent=4)
+        say("Stopping it the way vLLM 0.33 does: SIGTERM to the process group, SIGKILL ~20 ms later")
+    elif ev.get("event") == "stopped":
+        alive = ev.get("alive") or []
+        out.line("every process is gone; nobody removed the state they made" if not alive
+                 else f"still alive: {', '.join(map(str, alive))}", indent=4)
+
+
+def _commands() -> list[str]:
+    return sorted(c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands)
+
+
+@command()
+def shell() -> int:
+    """An interactive prompt for kvctl commands (what bare `kvctl` opens on a terminal)."""
+    from .shell import run
+
+    root_args = ["--root", G.root] + ["-v"] * G.verbose
+
+    def run_line(words: list[str]) -> int:
+        verbose = G.verbose
+        try:
+            return int(typer.main.get_command(app).main(args=root_args + words, prog_name="kvctl",
+                                                        standalone_mode=False))
+        finally:
+            G.verbose = verbose
+
+    return run([c for c in _commands() if c != "shell"], run_line, lambda: _node_names(G.root))
 
 
 def main() -> None:
@@ -813,17 +750,13 @@ def main() -> None:
 
 
 def kvtop_main() -> None:
-    """The `kvtop` entry point: `kvctl [--root DIR] [-v] top [-n SEC] [--count N]`."""
-    argv = sys.argv[1:]
-    globals_: list[str] = []
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--root" and i + 1 < len(argv):
-            globals_ += argv[i:i + 2]
-            i += 2
-            continue
-        (globals_ if arg.startswith("--root=") or arg in ("-v", "--verbose") else rest).append(arg)
-        i += 1
-    typer.main.get_command(app).main(args=[*globals_, "top", *rest], prog_name="kvtop")
+    """The `kvtop` entry point: `kvctl kvtop` under its own name, with its own completion."""
+    group = typer.main.get_command(app)
+    if os.environ.get("_KVTOP_COMPLETE"):
+        # Completion resolves words against a command: here the kvtop command itself.
+        from typer._completion_classes import completion_init
+
+        completion_init()
+        group.commands["kvtop"].main(prog_name="kvtop", complete_var="_KVTOP_COMPLETE")  # type: ignore[attr-defined]
+        return
+    group.main(args=["kvtop", *sys.argv[1:]], prog_name="kvtop")

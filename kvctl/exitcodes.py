@@ -34,12 +34,14 @@ def _code_for_library(exc: BaseException) -> Exit | None:
     # Imported here so that `kvctl --help` does not pay for the library.
     from kvcached.errors import InvalidName, KvcachedError, NotASegment, PathTooLong, SegmentMissing
     from kvcached.gclock import LockBusy
+    from kvcached.gcrun import NoMatch, Refused
     from kvcached.inspect import ProcessNotFound
     from kvcached.units import BadValue
 
     for types, code in (((BadValue, InvalidName, PathTooLong), Exit.USAGE),
-                        ((SegmentMissing, ProcessNotFound), Exit.NOT_FOUND),
-                        ((NotASegment,), Exit.REFUSED), ((LockBusy,), Exit.LOCK_BUSY), ((KvcachedError,), Exit.ERROR)):
+                        ((SegmentMissing, ProcessNotFound, NoMatch), Exit.NOT_FOUND),
+                        ((NotASegment, Refused), Exit.REFUSED), ((LockBusy,), Exit.LOCK_BUSY),
+                        ((KvcachedError,), Exit.ERROR)):
         if isinstance(exc, types):
             return code
     return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import unicodedata
-from typing import IO, TYPE_CHECKING, Any, Sequence, Union
+from typing import IO, TYPE_CHECKING, Any, Callable, Sequence, Union
 
 if TYPE_CHECKING:
     from kvcached.cleanup import Entry, Report
@@ -78,12 +78,28 @@ def emit_json(obj: Any, stream: IO[str] | None = None) -> None:
     stream.flush()
 
 
-class Out:
-    """Text output to one stream; `styled` decides colour (through rich) or plain."""
+def is_terminal(stream: IO[str]) -> bool:
+    """A terminal, whatever NO_COLOR says: live views redraw in place on one, colour or not."""
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):
+        return False
 
-    def __init__(self, stream: IO[str] | None = None, styled: bool | None = None) -> None:
+
+class Out:
+    """Text output to one stream.
+
+    On a terminal, tables fit its width (rich tables: columns fold, none is
+    lost) and `styled` adds colour (not with NO_COLOR); elsewhere every line is
+    plain text with aligned columns, the same layout pipes, logs and tests see.
+    """
+
+    def __init__(self, stream: IO[str] | None = None, styled: bool | None = None,
+                 terminal: bool | None = None, width: int | None = None) -> None:
         self.stream = stream or sys.stdout
         self.styled = styled_default(self.stream) if styled is None else styled
+        self.terminal = is_terminal(self.stream) if terminal is None else terminal
+        self.width = width  # None: the terminal's
         self._console: Any = None
 
     @property
@@ -92,8 +108,8 @@ class Out:
             from rich.console import Console
 
             self._console = Console(file=self.stream, highlight=False, markup=False, emoji=False,
-                                    soft_wrap=True, force_terminal=self.styled or None,
-                                    no_color=not self.styled)
+                                    soft_wrap=not self.terminal, force_terminal=(self.styled or self.terminal) or None,
+                                    no_color=not self.styled, width=self.width)
         return self._console
 
     def line(self, *cells: Cell, indent: int = 0) -> None:
@@ -103,8 +119,13 @@ class Out:
     def blank(self) -> None:
         self._write([])
 
-    def table(self, headers: Sequence[str], rows: Sequence[Sequence[Cell]], indent: int = 2) -> None:
+    def table(self, headers: Sequence[str], rows: Sequence[Sequence[Cell]], indent: int = 2,
+              fold: Sequence[int] = ()) -> None:
+        """Aligned columns; on a terminal a rich table as wide as the terminal, columns in `fold` wrapping."""
         cooked = [[(safe(c), "") if isinstance(c, str) else (safe(c[0]), c[1]) for c in row] for row in rows]
+        if self.terminal:
+            self._rich_table(headers, cooked, indent, set(fold) or {len(headers) - 1})
+            return
         widths = [len(h) for h in headers]
         for row in cooked:
             for i, (text, _) in enumerate(row):
@@ -120,15 +141,36 @@ class Out:
                     segs.append(("  ", ""))
             self._write(segs)
 
+    def _rich_table(self, headers: Sequence[str], rows: list[list[tuple[str, str]]], indent: int,
+                    fold: set[int]) -> None:
+        from rich.padding import Padding
+        from rich.table import Table
+
+        t = Table(box=None, show_header=True, header_style="bold" if self.styled else None, pad_edge=False,
+                  padding=(0, 2, 0, 0), expand=False)
+        for i, h in enumerate(headers):
+            # Short columns never wrap (a count split over two lines reads as two numbers);
+            # the long ones (names, paths, details) fold to fit the width.
+            t.add_column(h, no_wrap=i not in fold, overflow="fold" if i in fold else "ellipsis",
+                         min_width=len(h))
+        for row in rows:
+            t.add_row(*[self._text(text, style) for text, style in row])
+        self.console.print(Padding(t, (0, 0, 0, indent)) if indent else t)
+
+    def _text(self, text: str, style: str) -> Any:
+        from rich.text import Text
+
+        return Text(text, style=(style or None) if self.styled else None)
+
     def _write(self, segs: list[tuple[str, str]]) -> None:
-        if not self.styled:
+        if not self.styled and not self.terminal:
             self.stream.write("".join(t for t, _ in segs).rstrip() + "\n")
             return
         from rich.text import Text
 
         text = Text()
         for t, style in segs:
-            text.append(t, style=style or None)
+            text.append(t, style=(style or None) if self.styled else None)
         self.console.print(text)
 
     def flush(self) -> None:
@@ -155,7 +197,8 @@ def _entry_label(e: "Entry", base: str | None) -> str:
     return path + ("/" if str(e.kind) == "directory" else "")
 
 
-def render_view(out: Out, view: "NodeView", *, now: float) -> None:
+def render_view(out: Out, view: "NodeView", *, now: float, hint: Callable[[str], str] = lambda c: f"kvctl {c}") -> None:
+    """inspect's text; `hint` turns a command into the line to print (with the run's --root, --min-age)."""
     from kvcached.units import format_duration, format_size
 
     if not view.deployments and not view.unowned:
@@ -200,12 +243,12 @@ def render_view(out: Out, view: "NodeView", *, now: float) -> None:
         killable = {p.pid for _, p in view.killable_orphans()}
         orphan_pids = ", ".join(str(p.pid) for _, p in view.orphans)
         out.line(("hint: ", "yellow"), f"orphaned process(es) {orphan_pids}"
-                 + (": kvctl gc --kill-orphans terminates them" if killable else
+                 + (f": {hint('gc --kill-orphans')} terminates them" if killable else
                     ": not killable by kvctl (engine alive or /proc incomplete)"))
     for ns in view.namespaces:
         names = f" ({', '.join(ns.names)})" if ns.names else ""
         out.line(("note: ", "yellow"), f"kvcached processes in another mount namespace{names}: PIDs {pids(ns.pids)}; "
-                 f"their /tmp or /dev/shm is not this one: kvctl inspect --pid {ns.hint_pid}")
+                 f"their /tmp or /dev/shm is not this one: {hint(f'inspect --pid {ns.hint_pid}')}")
     if view.incomplete:
         out.line(("note: ", "yellow"), f"could not fully read PIDs {pids(view.incomplete)}: state they could own is kept as unknown")
     for err in view.errors:
@@ -218,25 +261,60 @@ def render_view(out: Out, view: "NodeView", *, now: float) -> None:
         stale += sum(1 for e in view.unowned if str(e.state) == "stale")
         line = f"{len(view.deployments)} deployment(s): " + ", ".join(
             f"{n} {s}" for s, n in sorted(by_state.items()))
-        out.line(line + (f"; {stale} stale entr{'y' if stale == 1 else 'ies'}: kvctl gc --yes removes them"
+        out.line(line + (f"; {stale} stale entr{'y' if stale == 1 else 'ies'}: {hint('gc --yes')} removes them"
                          if stale else ""))
 
 
-def render_report(out: Out, report: "Report", *, verbose: bool) -> None:
+_VERBS = {"removed": "Removed", "would_remove": "Would remove", "kept": "Kept", "failed": "FAILED"}
+
+
+def render_report(out: Out, report: "Report", *, verbose: bool, by_deployment: bool = False) -> None:
+    """gc's and delete's report: a row per entry (live ones only with -v), or one per deployment; then the summary."""
     from kvcached.cleanup import Action
     from kvcached.decide import State
 
-    verbs = {Action.REMOVED: "Removed", Action.WOULD_REMOVE: "Would remove", Action.KEPT: "Kept",
-             Action.FAILED: "FAILED"}
-    rows: list[list[Any]] = []
+    if by_deployment and not verbose:
+        render_by_deployment(out, report)
+    else:
+        rows: list[list[Any]] = []
+        for e in report.entries:
+            if e.action is Action.KEPT and e.state is State.LIVE and not verbose:
+                continue
+            detail = e.decision.detail + (f"; {e.note}" if e.note else "")
+            rows.append([(_VERBS[str(e.action)], STATE_STYLE.get(str(e.action), "")), str(e.kind), e.path,
+                         state_cell(e.state), str(e.decision.reason), detail])
+        if rows:
+            out.table(["ACTION", "KIND", "PATH", "STATE", "REASON", "DETAIL"], rows, indent=0, fold=(2, 5))
+    out.line(summary_line(report) + (f" [{report.summary()['seconds']}s]" if verbose else ""))
+    for err in report.errors:
+        out.line(("error: ", "red"), err)
+
+
+def render_by_deployment(out: Out, report: "Report") -> None:
+    """One row per deployment: what is (or would be) removed, kept and why, failed. Fits a screen at any node size."""
+    from collections import Counter
+
+    acted: dict[str, Counter] = {}
+    why: dict[str, Counter] = {}
     for e in report.entries:
-        if e.action is Action.KEPT and e.state is State.LIVE and not verbose:
-            continue
-        detail = e.decision.detail + (f"; {e.note}" if e.note else "")
-        rows.append([(verbs[e.action], STATE_STYLE.get(str(e.action), "")), str(e.kind), e.path,
-                     state_cell(e.state), str(e.decision.reason), detail])
+        dep = e.candidate.deployment or "(none)"
+        acted.setdefault(dep, Counter())[str(e.action)] += 1
+        if str(e.action) == "kept":
+            why.setdefault(dep, Counter())[f"{e.state}: {e.decision.reason}"] += 1
+    verb = "WOULD REMOVE" if report.dry_run else "REMOVED"
+    rows: list[list[Cell]] = []
+    for dep in sorted(acted):
+        c = acted[dep]
+        gone = c["would_remove"] + c["removed"]
+        kept = ", ".join(f"{n} {w}" for w, n in sorted(why.get(dep, Counter()).items()))
+        rows.append([dep, (str(gone), "red") if gone else "0", str(c["kept"]),
+                     (str(c["failed"]), "bold red") if c["failed"] else "0", kept or "-"])
     if rows:
-        out.table(["ACTION", "KIND", "PATH", "STATE", "REASON", "DETAIL"], rows, indent=0)
+        out.table(["DEPLOYMENT", verb, "KEPT", "FAILED", "KEPT BECAUSE"], rows, indent=0, fold=(0, 4))
+
+
+def summary_line(report: "Report") -> str:
+    """`gc: removed 3, kept 2 (2 live), 1 failed; time limit reached`."""
     s = report.summary()
     acts, states = s["actions"], s["states"]
     assert isinstance(acts, dict) and isinstance(states, dict)
@@ -245,7 +323,48 @@ def render_report(out: Out, report: "Report", *, verbose: bool) -> None:
     count = acts["would_remove"] if report.dry_run else acts["removed"]
     line = f"gc: {verb} {count}, kept {acts['kept']}" + (f" ({kept_bits})" if kept_bits else "")
     line += f", {acts['failed']} failed" if acts["failed"] else ""
-    line += "; time limit reached" if report.timed_out else ""
-    out.line(line + (f" [{s['seconds']}s]" if verbose else ""))
+    stale_kept = sum(1 for e in report.stale_remaining if str(e.action) != "failed")
+    line += f", {stale_kept} stale kept" if stale_kept and not report.dry_run else ""
+    return line + ("; time limit reached" if report.timed_out else "")
+
+
+# Problems for a log ------------------------------------------------------------
+
+# sd-daemon(3) priorities: journald reads a "<N>" prefix on a line of a unit's stderr.
+_PRIORITY = {"error": 3, "warning": 4, "info": 6}
+
+
+def _journald() -> bool:
+    """stderr goes straight to journald (JOURNAL_STREAM names that very stream), so it timestamps lines itself."""
+    value = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        dev, ino = (int(x) for x in value.split(":"))
+        st = os.fstat(sys.stderr.fileno())
+    except (ValueError, OSError):
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
+def log_line(message: str, level: str = "info") -> None:
+    """One line for cron's log or journald on stderr: a timestamp (cron) or a priority prefix (journald)."""
+    text = safe(message)
+    if _journald():
+        print(f"<{_PRIORITY[level]}>{text}", file=sys.stderr, flush=True)
+    else:
+        import time as _time
+
+        stamp = _time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        print(f"{stamp} {text}", file=sys.stderr, flush=True)
+
+
+def log_report(report: "Report", command: str = "kvctl gc") -> None:
+    """What cron (stdout to /dev/null) must still see: every failure, a time limit, and the summary."""
+    for e in report.failures:
+        log_line(f"{command}: FAILED {e.kind} {e.path}: {e.note or e.decision.detail}", "error")
+    if report.timed_out:
+        left = sum(1 for e in report.entries if e.note == "time limit reached")
+        log_line(f"{command}: time limit reached; {left} entries not reached (kept)", "warning")
     for err in report.errors:
-        out.line(("error: ", "red"), err)
+        log_line(f"{command}: error: {err}", "warning")
+    level = "error" if report.failures else "warning" if report.stale_remaining else "info"
+    log_line(f"{command}: {summary_line(report)[4:]}", level)

@@ -18,6 +18,24 @@ from kvcached.layout import Layout
 TEST_USER = "kvctest"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """A temporary base of this session's own, removed at its end.
+
+    pytest's default base (/tmp/pytest-of-<user>/pytest-<N>) keeps the last three
+    sessions and deletes older ones: a second suite running at the same time (a
+    developer's next to CI's) deletes the first one's directories under its feet.
+    """
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = tempfile.mkdtemp(prefix="kvtest-", dir="/tmp")
+        config._kvcached_basetemp = config.option.basetemp  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    base = getattr(config, "_kvcached_basetemp", None)
+    if base:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.fixture
 def layout() -> Iterator[Layout]:
     """A private node root with /tmp and /dev/shm, like a real node's.

@@ -47,7 +47,8 @@ def test_committed_completions_are_current(tmp_path) -> None:
     r = subprocess.run([*gen, "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert subprocess.run([*gen, "--out", str(tmp_path)], capture_output=True).returncode == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["_kvctl", "kvctl.bash", "kvctl.fish"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["_kvctl", "_kvtop", "kvctl.bash", "kvctl.fish",
+                                                           "kvtop.bash", "kvtop.fish"]
     (tmp_path / "kvctl.bash").write_text("# edited by hand\n")
     r = subprocess.run([*gen, "--check", "--out", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 1 and "kvctl.bash" in r.stderr

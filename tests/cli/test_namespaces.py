@@ -75,6 +75,6 @@ def test_inspect_pid_finds_state_only_its_namespace_sees(namespaced, root: str) 
     ns = [n for n in doc["other_namespaces"] if pid in n["pids"]]
     assert ns and ns[0]["names"] == [name] and ns[0]["hint"] == f"kvctl inspect --pid {pid}"
     r = kvctl("--root", root, "inspect")
-    assert f"kvctl inspect --pid {pid}" in r.stdout
+    assert f"kvctl --root {root} inspect --pid {pid}" in r.stdout  # pasted as printed: the same node
     r = kvctl("--root", root, "doctor", "namespaces")
-    assert r.code == 0 and f"kvctl inspect --pid {pid}" in r.stdout
+    assert r.code == 0 and f"kvctl --root {root} inspect --pid {pid}" in r.stdout

@@ -84,7 +84,7 @@ def test_many_slow_peers_do_not_stall_it(listener) -> None:
     hogs = [raw(listener.path) for _ in range(40)]
     time.sleep(0.1)
     try:
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 15
         while True:
             try:
                 assert ping(listener.path, timeout=1)["rank"] == 1

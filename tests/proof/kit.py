@@ -38,7 +38,7 @@ class Helper:
                                      start_new_session=True, stdin=subprocess.DEVNULL)
         self.pid = self.proc.pid
         self.ipc_name = ipc_name
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         # Wait until /proc shows the exec'd python (environ is only the new one after exec).
         while time.monotonic() < deadline:
             try:

@@ -1,0 +1,191 @@
+"""The gc and delete operations as one call each, so that `kvctl` only parses, calls and renders.
+
+`run_gc(options, ...)`: the node's lock, one plan, orphans killed (and the
+plan made again), the operator's confirmation, the time budget, metrics, and
+an outcome. `run_delete(...)`: one deployment, through the same decisions,
+with delete's own rules for live, foreign and doubtful entries. Questions to
+the operator are callbacks: the core never reads a terminal.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .cleanup import Entry, Plan, Report, execute, plan
+from .decide import DEFAULT_GRACE, Decision, Policy, State
+from .errors import KvcachedError
+from .layout import Layout
+from .scan import Kind, StrEnum
+
+
+class Outcome(StrEnum):
+    """How a run ended; kvctl maps each to one exit code."""
+
+    CLEAN = "clean"                    # nothing stale remains
+    STALE_REMAIN = "stale_remain"      # dry run, not confirmed, time limit, or a directory kept for its segment
+    PARTIAL_FAILURE = "partial_failure"  # a removal or a kill failed; the rest was done
+
+
+class NoMatch(KvcachedError):
+    """The names given match no deployment on the node."""
+
+
+class Refused(KvcachedError):
+    """delete will not act: the target is live, not ours, or not proven dead without the operator's word."""
+
+
+@dataclass(frozen=True)
+class GcOptions:
+    """Everything `kvctl gc` can be asked."""
+
+    layout: Layout
+    names: Sequence[str] = ()          # names or globs; empty: every deployment
+    grace: float = DEFAULT_GRACE
+    kinds: Sequence[Kind] = ()
+    dry_run: bool = False
+    yes: bool = False
+    time_limit: float | None = 300.0   # the whole run; None or 0: no bound
+    kill_orphans: bool = False
+    prometheus: str | None = None
+    proc_root: str = "/proc"
+
+
+@dataclass
+class GcResult:
+    """What one gc run found, did and how it ended."""
+
+    report: Report
+    dry_run: bool                      # what the run really was (a run not confirmed is a dry run)
+    outcome: Outcome
+    orphans: list[Any] = field(default_factory=list)    # (DeploymentView, ProcessView)
+    killable: set[int] = field(default_factory=set)     # orphan pids kvctl may terminate
+    killed: list[Any] = field(default_factory=list)     # orphans.KillResult
+    declined: bool = False             # stale entries remain because nobody confirmed
+
+
+# (plan, the same plan as a dry run) -> remove?; None: nobody to ask (cron), so do not remove
+Confirm = Callable[[Plan, Report], bool]
+ConfirmKill = Callable[[list[Any]], bool]
+
+
+def _split(names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(exact names the scan must look for, globs to filter deployments by)."""
+    exact = [n for n in names if not any(ch in n for ch in "*?[")]
+    return exact, list(names)
+
+
+def make_plan(layout: Layout, names: Sequence[str] = (), grace: float = DEFAULT_GRACE, kinds: Sequence[Kind] = (),
+              extra: Sequence[str] = (), proc_root: str = "/proc") -> Plan:
+    """The plan every command shows or acts on: names are exact names or globs."""
+    exact, globs = _split(names)
+    return plan(layout, Policy(grace=grace), names=exact + list(extra), globs=globs, kinds=kinds,
+                proc_root=proc_root)
+
+
+def _orphans(p: Plan) -> tuple[list[Any], set[int], list[Any]]:
+    """(orphans, pids kvctl may kill, their (deployment, process) pairs)."""
+    if not p.roots:  # nothing to group: a clean node stays fast
+        return [], set(), []
+    from .inspect import build_view
+
+    view = build_view(p, read_segments=False, namespaces=False)
+    targets = view.killable_orphans()
+    return view.orphans, {o.pid for _, o in targets}, targets
+
+
+def outcome_of(report: Report, killed: Sequence[Any] = ()) -> Outcome:
+    """Failures first, then stale entries left, else clean."""
+    if report.failures or any(str(k.outcome) == "failed" for k in killed):
+        return Outcome.PARTIAL_FAILURE
+    return Outcome.STALE_REMAIN if report.stale_remaining else Outcome.CLEAN
+
+
+def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: ConfirmKill | None = None,
+           progress: Callable[[Entry], None] | None = None) -> GcResult:
+    """Lock, plan, (kill orphans, plan again), confirm, act within the time budget, write metrics.
+
+    Raises gclock.LockBusy (metrics say so first), NoMatch, and the errors of
+    a bad metrics target before doing any work.
+    """
+    from . import metrics
+
+    started, wall_start = time.monotonic(), time.time()
+    if opts.prometheus:
+        metrics.check_target(opts.prometheus)  # before any work: a bad target must not cost a run
+    lock = None
+    if not opts.dry_run:  # a dry run changes nothing, so it neither needs nor blocks the lock
+        from .gclock import GcLock, LockBusy
+
+        lock = GcLock(opts.layout, proc_root=opts.proc_root)
+        try:
+            lock.acquire()
+        except LockBusy:
+            if opts.prometheus:
+                metrics.write_lock_busy(opts.prometheus, wall_start, time.time())
+            raise
+    try:
+        p = make_plan(opts.layout, opts.names, opts.grace, opts.kinds, proc_root=opts.proc_root)
+        if opts.names and not p.matched:
+            raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
+        orphans, killable, targets = _orphans(p)
+        killed: list[Any] = []
+        if opts.kill_orphans and not opts.dry_run and targets:
+            if opts.yes or (confirm_kill is not None and confirm_kill(targets)):
+                from .orphans import terminate
+
+                killed = terminate([o.info for _, o in targets], grace=5.0, proc_root=opts.proc_root)
+                # Their segment may be named only by the processes just killed: name it explicitly.
+                p = make_plan(opts.layout, opts.names, opts.grace, opts.kinds,
+                              extra=sorted({d.name for d, _ in targets}), proc_root=opts.proc_root)
+                orphans, killable, _ = _orphans(p)
+        dry = opts.dry_run
+        declined = False
+        if not dry and not opts.yes and any(d.state is State.STALE for _, d in p.entries()):
+            dry = confirm is None or not confirm(p, execute(p, dry_run=True))
+            declined = dry
+        # The bound covers the whole run: planning and killing count against it.
+        remaining = max(1e-9, opts.time_limit - (time.monotonic() - started)) if opts.time_limit else None
+        report = execute(p, dry_run=dry, time_limit=remaining, progress=progress)
+    finally:
+        if lock is not None:
+            lock.release()
+    outcome = outcome_of(report, killed)
+    if opts.prometheus:
+        metrics.write_report(opts.prometheus, report, success=outcome is Outcome.CLEAN and not dry,
+                             orphans=len(orphans), started=wall_start)
+    return GcResult(report, dry, outcome, orphans, killable, killed, declined)
+
+
+def run_delete(layout: Layout, name: str, *, grace: float = DEFAULT_GRACE, vouch: bool = False,
+               confirm: Callable[[list[tuple[Any, Decision]]], bool] | None = None,
+               proc_root: str = "/proc") -> Report:
+    """Remove one deployment's segment and stale sockets, through gc's decisions, with delete's rules.
+
+    A live segment, or a segment not ours, is refused (Refused, naming why).
+    Entries of unknown or young state are removed only when the operator
+    vouches for them (`vouch`, or `confirm` answering yes); live sockets of the
+    deployment are always kept.
+    """
+    layout.segment_path(name)  # InvalidName: a usage error, before any work
+    p = make_plan(layout, [name], grace, proc_root=proc_root)
+    entries = p.entries()
+    if not entries:
+        raise NoMatch(f"{name}: no such deployment (no segment or socket directory under {layout.root})")
+    for c, d in entries:
+        if c.kind is Kind.SEGMENT and d.state is State.LIVE:
+            who = f" (PID {', '.join(map(str, d.pids))})" if d.pids else ""
+            raise Refused(f"{name} is live{who}: {d.detail}; refusing to delete")
+        if c.kind is Kind.SEGMENT and d.state is State.FOREIGN:
+            raise Refused(f"{c.path}: not ours to delete ({d.detail})")
+    doubtful = [(c, d) for c, d in entries if d.state in (State.UNKNOWN, State.YOUNG)]
+    if doubtful and not vouch:
+        if confirm is None or not confirm(doubtful):
+            what = "; ".join(f"{c.path}: {d.state} ({d.detail})" for c, d in doubtful[:3])
+            raise Refused(f"{name}: liveness not proven dead ({what}); re-run with --yes to delete anyway")
+    # The operator vouched for these: they go through the same guarded removal as stale ones.
+    vouched = {c.path: replace(d, state=State.STALE, detail=d.detail + "; deleted on request")
+               for c, d in doubtful}
+    return execute(replace(p, decisions={**p.decisions, **vouched}), dry_run=False)
