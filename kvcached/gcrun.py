@@ -110,10 +110,10 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
     Raises gclock.LockBusy (metrics say so first), NoMatch, and the errors of
     a bad metrics target before doing any work.
     """
-    from . import metrics
-
     started, wall_start = time.monotonic(), time.time()
     if opts.prometheus:
+        from . import metrics  # only then: cron without metrics on a clean node stays fast
+
         metrics.check_target(opts.prometheus)  # before any work: a bad target must not cost a run
     lock = None
     if not opts.dry_run:  # a dry run changes nothing, so it neither needs nor blocks the lock
@@ -124,6 +124,8 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
             lock.acquire()
         except LockBusy:
             if opts.prometheus:
+                from . import metrics
+
                 metrics.write_lock_busy(opts.prometheus, wall_start, time.time())
             raise
     try:
@@ -154,6 +156,8 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
             lock.release()
     outcome = outcome_of(report, killed)
     if opts.prometheus:
+        from . import metrics
+
         metrics.write_report(opts.prometheus, report, success=outcome is Outcome.CLEAN and not dry,
                              orphans=len(orphans), started=wall_start)
     return GcResult(report, dry, outcome, orphans, killable, killed, declined)

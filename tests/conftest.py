@@ -81,17 +81,16 @@ def _ensure_user(name: str) -> pwd.struct_passwd:
 
 
 @pytest.fixture(scope="session")
-def unpriv_user() -> pwd.struct_passwd:
-    """An unprivileged user created for the tests (needs root)."""
+def unpriv_user() -> Iterator[pwd.struct_passwd]:
+    """An unprivileged user created for the tests (needs root), removed again at the end of the session."""
     if os.geteuid() != 0:
         pytest.skip("creating a test user needs root")
-    return _ensure_user(TEST_USER)
-
-
-def allow_traverse(path: str) -> None:
-    """Let other users reach `path` (pytest's tmp dirs are 0700)."""
-    p = os.path.abspath(path)
-    while p != "/":
-        st = os.stat(p)
-        os.chmod(p, st.st_mode | 0o011)
-        p = os.path.dirname(p)
+    try:
+        pwd.getpwnam(TEST_USER)
+        existed = True
+    except KeyError:
+        existed = False
+    user = _ensure_user(TEST_USER)
+    yield user
+    if not existed:
+        subprocess.run(["userdel", TEST_USER], capture_output=True)

@@ -18,7 +18,6 @@ from kvcached.ipc.client import ping
 from kvcached.scan import Kind
 from kvcached.segment import create_segment
 
-from ..conftest import allow_traverse
 from .helpers import (backdate, cleanup_as, live_socket, stale_socket, start_upstream_listener,
                       stop_one_kill_rest, upstream_request)
 
@@ -200,7 +199,6 @@ def test_upstream_listener_survives_scan_and_dry_run(layout, uniq) -> None:
 
 
 def test_permission_denied_probe_keeps_node(layout, uniq, unpriv_user) -> None:
-    allow_traverse(layout.root)
     path = layout.socket_path(uniq, 0)
     stale_socket(path)
     os.chmod(path, 0)  # even its owner may not connect: the probe gets EACCES
@@ -214,7 +212,6 @@ def test_permission_denied_probe_keeps_node(layout, uniq, unpriv_user) -> None:
 
 
 def test_other_users_entries_untouched_when_not_root(layout, uniq, unpriv_user) -> None:
-    allow_traverse(layout.root)
     path = layout.socket_path(uniq, 0)
     stale_socket(path)
     seg = layout.segment_path(uniq)

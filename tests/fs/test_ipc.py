@@ -163,9 +163,7 @@ def test_refuses_unsafe_directories(layout, uniq, tmp_path, unpriv_user) -> None
 
 
 def test_peer_credentials_are_checked(layout, uniq, unpriv_user) -> None:
-    from ..conftest import allow_traverse
-
-    allow_traverse(layout.root)
+    
     w = WorkerListener(layout, uniq, 0).start()
     try:
         # Let the other user reach the node, so that only SO_PEERCRED stands in the way.

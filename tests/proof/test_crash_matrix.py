@@ -170,10 +170,11 @@ def table() -> Iterator[None]:
     lines += ["| " + " | ".join(r[c] for c in cols) + " |" for r in ROWS]
     text = "\n".join(lines)
     print("\n\nCrash matrix (owner cleanup on; gc with --min-age 0)\n" + text)
-    out = os.environ.get("KVCACHED_CRASH_TABLE") or f"/tmp/kvcached-crash-matrix-{os.getpid()}.md"
-    with open(out, "w") as f:
-        f.write(text + "\n")
-    print(f"(written to {out})")
+    out = os.environ.get("KVCACHED_CRASH_TABLE")  # a file only when asked for: a test run leaves nothing behind
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+        print(f"(written to {out})")
 
 
 def _cases() -> list:
