@@ -160,8 +160,11 @@ def test_watch_and_top(layout, uniq: str, deployments) -> None:
 
 
 def test_ctrl_c_exits_130_without_a_traceback(root: str) -> None:
+    # As from a terminal: SIGINT at its default. A suite started in the background by a
+    # non-interactive shell inherits SIGINT ignored, and Python then installs no handler.
     p = subprocess.Popen([KVCTL, "--root", root, "watch", "-n", "30"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # Once the first snapshot is out, kvctl is waiting for the next refresh: Ctrl-C now, not at a
     # moment of the interpreter's start-up that a busy machine makes later or earlier.
     assert p.stdout.readline().strip()

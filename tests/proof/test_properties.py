@@ -418,15 +418,20 @@ def _expectations(world: World, infos: list[dict], blind: bool) -> None:
                 why = "stale"
             socks[path] = (stage, why)
 
-        # Directories that decide on their own (not foreign): the root unless planted, stage dirs when entered.
-        dir_carrier = dmode == "normal" or (scanned and bool(stages))
+        # Directories whose own evidence counts: a world-writable root is foreign before anything
+        # else; a root with an entry not ours is live when leased or named by a live process, and
+        # foreign otherwise (so never young); stage directories inside a scanned root always count.
+        stage_carrier = scanned and bool(stages)
+        dir_carrier = dmode in ("normal", "extras") or stage_carrier
         evidence = max([_RANK.get(why, -1) for _, why in socks.values()] + [0])
         if leased and dir_carrier:
             evidence = 3
         if seg_carrier and seg_state in _LIVE_SEGMENTS:
             evidence = 3
         if dir_carrier or seg_carrier:
-            evidence = max(evidence, 3 if alive else 2 if ambiguous else 1 if young else 0)
+            evidence = max(evidence, 3 if alive else 2 if ambiguous else 0)
+        if young and (dmode == "normal" or stage_carrier or seg_carrier):
+            evidence = max(evidence, 1)
 
         for path, (_, why) in socks.items():
             world.add(path, "removable" if why == "stale" else why)
@@ -702,6 +707,8 @@ def test_quiet_mixed_node_example(helpers: dict[str, Helper], base_dir: str) -> 
                         "sockets": ["stale"] * 4, "segment": "stale", "young": False, **kw}
     state = {"deployments": [dep(), dep(sockets=["live", "stale", "stopped", "symlink"], segment="lease"),
                              dep(dir="world_writable", segment="hardlink"),
-                             dep(name_kind="pgid_reused", segment="stale")],
+                             dep(name_kind="pgid_reused", segment="stale"),
+                             # A leased directory holding an entry not ours keeps its segment live.
+                             dep(tp=1, pp=1, dir="extras", lease="live", sockets=["absent"])],
              "blind_netns": False, "events": []}
     _run_example(state, helpers, base_dir)
