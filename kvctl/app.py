@@ -723,7 +723,7 @@ def _demo_event(out: Out, say: Callable[[str], None], ev: dict[str, Any]) -> Non
 
 
 def _commands() -> list[str]:
-    return sorted(c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands)
+    return sorted(_name(c) for c in app.registered_commands)
 
 
 @command()
@@ -744,9 +744,34 @@ def shell() -> int:
     return run([c for c in _commands() if c != "shell"], run_line, lambda: _node_names(G.root))
 
 
+def _just(name: str) -> typer.Typer | None:
+    """`app` with only the command `name` (and the global options); None when there is no such command.
+
+    Building the click command of every command (signatures, annotations, one
+    parameter object each) is a third of a cold start; a run uses one. Help of
+    kvctl itself, completion, the shell and a typo take the whole app.
+    """
+    info = next((c for c in app.registered_commands if _name(c) == name), None)
+    if info is None:
+        return None
+    one = typer.Typer(cls=KvctlGroup, name="kvctl", add_completion=False, pretty_exceptions_enable=False,
+                      context_settings={"help_option_names": ["-h", "--help"]})
+    one.registered_callback = app.registered_callback
+    one.registered_commands = [info]
+    return one
+
+
+def _name(info: Any) -> str:
+    return info.name or info.callback.__name__.replace("_", "-")
+
+
 def main() -> None:
     """The `kvctl` entry point."""
-    app()
+    argv = hoist_globals(sys.argv[1:])
+    word = next((a for i, a in enumerate(argv) if not a.startswith("-") and (i == 0 or argv[i - 1] != "--root")),
+                None)
+    one = None if word is None or os.environ.get("_KVCTL_COMPLETE") else _just(word)
+    (one or app)()
 
 
 def kvtop_main() -> None:
