@@ -265,6 +265,7 @@ def test_crash_matrix(tp: int, pp: int, how: str, node: Layout,
                 f"{e['path']}: {e['state']}/{e['reason']}/{e['action']} {e['detail']}" for e in entries)
     again_code, again = _gc(node, "--dry-run")
     assert not [e for e in again if e["action"] == "would_remove"], "a second gc finds more"
+    assert again_code == 0, f"a second gc exits {again_code} on a node with nothing stale left"
 
     if survivors:
         pytest.fail(f"{len(survivors)} process(es) of the deployment still alive after {how}: "

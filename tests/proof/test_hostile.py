@@ -51,7 +51,6 @@ CASES_RUN: list[str] = []
 # and a planted name could forge output lines.
 LINE_FORGERIES: set[bytes] = set()
 PLANTED: list[tuple[str, str, int]] = []  # (node, trap, entries that must survive)
-KNOWN_BUGS = set(os.environ.get("KVCACHED_KNOWN_BUGS", "").split(",")) - {""}
 
 
 @dataclass
@@ -173,14 +172,12 @@ def plant_all(node: Node) -> None:
     p.keep.append(d)
     seg_nl = os.path.join(node.shm, f"kvcached_proc_{PID}\n")
     _as_user(u, f"open({seg_nl!r}, 'wb').write(bytes(24))")
-    (p.may_go if "trailing_newline" in KNOWN_BUGS else p.keep).append(seg_nl)  # DEFAULT_NAME_RE: same bug
+    p.keep.append(seg_nl)  # not ours: a trailing newline (test_regressions.py)
     name = n("nl2")
     d2 = node.sdir(name)
     _as_user(u, f"import os; os.mkdir({d2!r}, 0o700); " + _user_code_stale_sock(os.path.join(d2, "w0.sock\n")))
     p.names.append(name)
-    # naming.SOCKET_RE ends in `$`, which matches before a trailing newline: "w0.sock\n"
-    # is taken for rank 0's node (test_regressions.py); until fixed it may be removed.
-    (p.may_go if "trailing_newline" in KNOWN_BUGS else p.keep).append(os.path.join(d2, "w0.sock\n"))
+    p.keep.append(os.path.join(d2, "w0.sock\n"))  # not rank 0's node (test_regressions.py)
     node.planted += [d, seg_nl, d2]
 
     # 10. ANSI escapes in names (a directory and a socket inside a valid one)

@@ -1,7 +1,6 @@
 """Core bugs found by the proof suite, each as the smallest real repro.
 
-Each failed before its fix landed and guards against its return;
-test_properties.py can still model a bug through KVCACHED_KNOWN_BUGS.
+Each failed before its fix landed and guards against its return.
 """
 
 from __future__ import annotations
