@@ -93,14 +93,15 @@ class Report:
     started: float
     finished: float
     timed_out: bool = False
+    # (state, action, kind) -> entries, counted on the first question: summaries and metrics ask dozens
+    _counts: Counter[tuple[State, Action, Kind]] | None = field(default=None, init=False, repr=False,
+                                                              compare=False)
 
     def count(self, *, state: State | None = None, action: Action | None = None, kind: Kind | None = None) -> int:
         """How many entries have the given state, action and kind (None: any)."""
-        counts = self.__dict__.get("_counts")
+        counts = self._counts
         if counts is None:
-            # One pass, then O(1) per question: summaries and metrics ask dozens.
-            counts = self.__dict__["_counts"] = Counter(
-                (e.decision.state, e.action, e.candidate.kind) for e in self.entries)
+            counts = self._counts = Counter((e.decision.state, e.action, e.candidate.kind) for e in self.entries)
         return sum(n for (s, a, k), n in counts.items()
                    if (state is None or s is state) and (action is None or a is action) and (kind is None or k is kind))
 

@@ -121,28 +121,21 @@ _EMPTY_DIR = _d(State.STALE, Reason.EMPTY_DIR, "empty, and no process of its dep
 
 _EXPECTED_TYPE = {Kind.SEGMENT: FileType.REGULAR, Kind.SOCKET: FileType.SOCKET, Kind.DIRECTORY: FileType.DIRECTORY}
 
-# decide runs once per entry of a full node, and in Python 3.11 each read of an
-# enum member through its class costs a global and an attribute lookup; the
-# members the rules test on every entry are read once, here.
-_SOCKET, _SEGMENT, _DIRECTORY = Kind.SOCKET, Kind.SEGMENT, Kind.DIRECTORY
-_LIVE, _FOREIGN, _UNKNOWN, _YOUNG = State.LIVE, State.FOREIGN, State.UNKNOWN, State.YOUNG
-_SYMLINK_TYPE = FileType.SYMLINK
-_BOUND_TEST, _UNBOUND_TEST = Bind.BOUND, Bind.UNBOUND
 
 
 def _foreign(c: Candidate, policy: Policy) -> Decision | None:
-    if c.ftype is _SYMLINK_TYPE:
+    if c.ftype is FileType.SYMLINK:
         return _SYMLINK
     kind = c.kind
     expected = _EXPECTED_TYPE[kind]
     if c.ftype is not expected:
         return _d(State.FOREIGN, Reason.WRONG_TYPE, f"a {c.ftype} where a {expected} belongs")
-    if kind is _SEGMENT:
+    if kind is Kind.SEGMENT:
         if c.nlink != 1:
             return _d(State.FOREIGN, Reason.HARD_LINKED, f"{c.nlink} hard links: may be another file's name")
         if c.size not in (0, 24):
             return _d(State.FOREIGN, Reason.BAD_SIZE, f"{c.size} bytes, a segment has 24")
-    elif kind is _DIRECTORY:
+    elif kind is Kind.DIRECTORY:
         if not c.hash_ok:
             return _BAD_HASH
         if c.cross_mount:
@@ -203,29 +196,29 @@ def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
     if c.lease:
         pids = [e.pid for e in facts.locks.get(c.ident, ()) if e.pid > 0]
         return _d(State.LIVE, Reason.LEASE_HELD, "a process holds its lease or lock", pids)
-    if kind is _SOCKET:
+    if kind is Kind.SOCKET:
         # A socket node stands on its own evidence: one that no socket is bound to
         # can never serve again, whichever processes of its deployment are alive.
         serving = facts.serving_pids(c.ident)
         if serving or c.ident in facts.listeners:
             return _d(State.LIVE, Reason.LISTENING, "a listener is bound to this file", serving)
-        if c.bind is _BOUND_TEST:
+        if c.bind is Bind.BOUND:
             return _BOUND
         if c.bind is None:
             return _NOT_TESTED
-        if c.bind is not _UNBOUND_TEST:
+        if c.bind is not Bind.UNBOUND:
             reason = Reason.BIND_DENIED if c.bind is Bind.DENIED else Reason.BIND_ERROR
             return _d(State.UNKNOWN, reason, f"could not test whether a socket is bound to it ({c.bind_errno})")
         age = now - c.mtime
         if age < policy.grace:
             return _d(State.YOUNG, Reason.YOUNG, f"changed {age:.0f}s ago, grace is {policy.grace:.0f}s")
         return _NOT_LISTENING
-    if kind is _SEGMENT:
+    if kind is Kind.SEGMENT:
         holders = [p.pid for p in facts.holders_of_file(c.ident)]
         if holders:
             return _d(State.LIVE, Reason.HELD_OPEN, "held open or mapped", holders)
     else:
-        live = [d for d in children if d.state is _LIVE]
+        live = [d for d in children if d.state is State.LIVE]
         if live:
             pids = sorted({p for d in live for p in d.pids})
             return _d(State.LIVE, Reason.CHILD_LIVE, f"{len(live)} live entr{'y' if len(live) == 1 else 'ies'} inside", pids)
@@ -233,25 +226,25 @@ def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
     if alive is not None:
         return alive
 
-    if kind is _SEGMENT and c.lease is None:
+    if kind is Kind.SEGMENT and c.lease is None:
         return _LEASE_UNTESTED
     blind = facts.blind_spots(c.uid)
     if blind:
         return _d(State.UNKNOWN, Reason.PROC_INCOMPLETE,
                   "processes that could own it could not be fully read", blind)
-    if kind is _DIRECTORY:
-        for state, reason in ((_UNKNOWN, Reason.CHILD_UNKNOWN), (_YOUNG, Reason.CHILD_YOUNG)):
+    if kind is Kind.DIRECTORY:
+        for state, reason in ((State.UNKNOWN, Reason.CHILD_UNKNOWN), (State.YOUNG, Reason.CHILD_YOUNG)):
             hits = [d for d in children if d.state is state]
             if hits:
                 return _d(state, reason, f"{len(hits)} {state} entr{'y' if len(hits) == 1 else 'ies'} inside")
-        if c.extras or any(d.state is _FOREIGN for d in children):
-            n = len(c.extras) + sum(d.state is _FOREIGN for d in children)
+        if c.extras or any(d.state is State.FOREIGN for d in children):
+            n = len(c.extras) + sum(d.state is State.FOREIGN for d in children)
             return _d(State.FOREIGN, Reason.CONTAINS_FOREIGN, f"holds {n} entr{'y' if n == 1 else 'ies'} not ours")
 
     age = now - c.mtime
     if age < policy.grace:
         return _d(State.YOUNG, Reason.YOUNG, f"changed {age:.0f}s ago, grace is {policy.grace:.0f}s")
-    if kind is _SEGMENT:
+    if kind is Kind.SEGMENT:
         if c.by_shape:
             return _UNNAMED
         return _PGID_REUSED if pgid_reused else _NO_OWNER
@@ -304,11 +297,11 @@ def settle(roots: Iterable[Candidate], decisions: dict[str, Decision]) -> None:
         if best is None:
             continue
         ev = decisions[best.path]
-        what = "its socket" if best.kind is _SOCKET else f"its {best.kind}"
+        what = "its socket" if best.kind is Kind.SOCKET else f"its {best.kind}"
         raised = _d(ev.state, _RAISED_REASON[ev.state],
                     f"{what} {best.name} is {ev.state} ({ev.reason}: {ev.detail})", ev.pids)
         for c in cands:
-            if c.kind is _SOCKET:
+            if c.kind is Kind.SOCKET:
                 continue
             d = decisions[c.path]
             if _KEEP_RANK.get(d.state, 4) < best_rank:
