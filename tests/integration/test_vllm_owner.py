@@ -13,9 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
-import textwrap
 import time
 import weakref
 from types import SimpleNamespace
@@ -27,7 +24,6 @@ pytest.importorskip("vllm", reason="vLLM 0.33 is not installed here (run scripts
 pytestmark = pytest.mark.vllm
 
 import zmq  # noqa: E402  (a vLLM dependency)
-from vllm.config import CacheConfig, ParallelConfig  # noqa: E402
 from vllm.v1.engine import utils as vutils  # noqa: E402
 from vllm.v1.engine.core import EngineCoreProc  # noqa: E402
 from vllm.v1.engine.core_client import BackgroundResources, MPClient  # noqa: E402
@@ -40,33 +36,38 @@ from kvcached.layout import Layout  # noqa: E402
 
 from . import standins  # noqa: E402
 from .standins import Spec, dead_node, read_pid, wait_for  # noqa: E402
+from .vllm_fakes import ServeConfig  # noqa: E402
 
 both = pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"], indirect=True)
 
 
 class Serve:
-    """One stand-in serve: a real CoreEngineProcManager whose engine answered READY."""
+    """One stand-in serve: a real CoreEngineProcManager whose engine answered READY.
+
+    With a handshake, the engines start as the API server and the supervisor of
+    `--api-server-count > 1` start them: through vLLM's `launch_core_engines`,
+    which creates the manager and, on leaving its `with`, waits for READY in
+    `wait_for_engine_startup` (the owner captures there). Without one, as
+    `run_headless` does: a bare `CoreEngineProcManager(local_client=False)`.
+    """
 
     def __init__(self, spec: Spec, *, handshake: bool = True, local_client: bool = True,
                  parallel: Any = None) -> None:
         self.spec = spec
         standins.SPEC = spec
-        cfg = SimpleNamespace(shutdown_timeout=0,
-                              parallel_config=parallel if parallel is not None else
-                              ParallelConfig(tensor_parallel_size=spec.tp, pipeline_parallel_size=spec.pp))
+        cfg = ServeConfig(tp=spec.tp, pp=spec.pp)
+        if parallel is not None:
+            cfg.parallel_config = parallel
         self.ctx = zmq.Context()
-        address = f"ipc://{spec.root}/handshake"
-        self.handshake = self.ctx.socket(zmq.ROUTER)
-        self.handshake.bind(address)
-        self.manager = vutils.CoreEngineProcManager(
-            local_engine_count=1, start_index=0, local_start_index=0, vllm_config=cfg,
-            local_client=local_client, handshake_address=address if handshake else "",
-            executor_class=MultiprocExecutor, log_stats=False)
-        if handshake:
-            launch = vutils.CoreEngineLaunch(self.manager, None, vutils.EngineZmqAddresses(["ipc://in"], ["ipc://out"]),
-                                             None)
-            vutils.wait_for_engine_startup(self.handshake, [vutils.CoreEngine(0, True)], cfg.parallel_config, False,
-                                           CacheConfig(), launch)
+        if handshake and local_client:
+            # MPClient binds these; the stand-in engine never connects to them.
+            addresses = vutils.EngineZmqAddresses([f"ipc://{spec.root}/in"], [f"ipc://{spec.root}/out"])
+            with vutils.launch_core_engines(cfg, MultiprocExecutor, False, addresses) as launch:
+                self.manager = launch.engine_manager
+        else:
+            self.manager = vutils.CoreEngineProcManager(
+                local_engine_count=1, start_index=0, local_start_index=0, vllm_config=cfg,
+                local_client=local_client, handshake_address="", executor_class=MultiprocExecutor, log_stats=False)
         with open(spec.pid_file("ready"), "w"):
             pass
         self.engine = read_pid(spec, "engine")
@@ -86,7 +87,6 @@ class Serve:
             _kill(pid, signal.SIGTERM)
 
     def close(self) -> None:
-        self.handshake.close(linger=0)
         self.ctx.term()
 
 
@@ -297,68 +297,3 @@ def test_repeated_shutdowns_keep_a_successors_directory(serve, layout, vllm_env,
         assert os.path.exists(successor.path)
     finally:
         successor.stop()
-
-
-# The owner's own SIGTERM -------------------------------------------------------------
-
-_OWNER_SCRIPT = textwrap.dedent("""
-    import os, signal, sys, time
-    from types import SimpleNamespace
-    sys.path.insert(0, {repo!r})
-    from tests.integration import standins
-    from tests.integration.standins import Spec, read_pid
-    from vllm.config import CacheConfig, ParallelConfig
-    from vllm.v1.engine import utils as vutils
-    from vllm.v1.engine.core import EngineCoreProc
-    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-    import zmq
-    if {patched!r}:
-        from kvcached.integration import vllm_plugin
-        vllm_plugin.register()
-    EngineCoreProc.run_engine_core = staticmethod(standins.engine_main)
-    spec = standins.SPEC = Spec({root!r}, {name!r}, tp=2, engine_term="exit")
-    cfg = SimpleNamespace(shutdown_timeout=0, parallel_config=ParallelConfig(tensor_parallel_size=2))
-    ctx = zmq.Context()
-    hs = ctx.socket(zmq.ROUTER)
-    hs.bind("ipc://" + spec.root + "/handshake")
-    m = vutils.CoreEngineProcManager(local_engine_count=1, start_index=0, local_start_index=0, vllm_config=cfg,
-                                     local_client=True, handshake_address="ipc://" + spec.root + "/handshake",
-                                     executor_class=MultiprocExecutor, log_stats=False)
-    launch = vutils.CoreEngineLaunch(m, None, vutils.EngineZmqAddresses(["ipc://in"], ["ipc://out"]), None)
-    vutils.wait_for_engine_startup(hs, [vutils.CoreEngine(0, True)], cfg.parallel_config, False, CacheConfig(),
-                                   launch)
-    print("OWNER-READY", flush=True)
-    while True:
-        signal.pause()
-""")
-
-
-@both
-def test_owner_dies_by_sigterm_after_gated_cleanup(vllm_env, layout, patched, monkeypatch) -> None:
-    """An owner with the default SIGTERM disposition cleans up on the way out, then dies by SIGTERM."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    script = _OWNER_SCRIPT.format(repo=repo, patched=patched, root=layout.root, name=vllm_env)
-    env = {**os.environ, "KVCACHED_ENABLE": "1", "PYTHONPATH": repo}
-    owner = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True,
-                             start_new_session=True)
-    try:
-        assert owner.stdout is not None
-        line = owner.stdout.readline()
-        assert "OWNER-READY" in line, f"owner did not start (exit {owner.poll()})"
-        spec = Spec(layout.root, vllm_env, tp=2)
-        workers = [read_pid(spec, f"w0-{r}") for r in range(2)]
-        assert all(_state(layout, vllm_env, 2).values())
-        os.killpg(owner.pid, signal.SIGTERM)  # the whole serve: owner, engine, workers
-        assert owner.wait(30) == -signal.SIGTERM
-        assert wait_for(lambda: all(_gone(p) for p in workers))
-        state = _state(layout, vllm_env, 2)
-        if patched:
-            assert not any(state.values()), state
-        else:
-            assert all(state.values()), state
-    finally:
-        try:
-            os.killpg(owner.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        owner.wait(10)

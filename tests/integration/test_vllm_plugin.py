@@ -33,7 +33,7 @@ def test_switch(env: dict[str, str], on: bool) -> None:
 def test_importing_the_integration_imports_no_vllm() -> None:
     """kvctl imports the integration to call detect(): only the call may import vLLM."""
     code = ("import sys, kvcached.integration.vllm_patches, kvcached.integration.vllm_plugin, "
-            "kvcached.integration.engine_owner\n"
+            "kvcached.integration.engine_owner, kvcached.integration.engine_state, kvcached.integration.limits\n"
             "bad = [m for m in ('vllm', 'torch') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
@@ -51,6 +51,8 @@ def test_entry_point_is_declared() -> None:
 
 
 # With vLLM ------------------------------------------------------------------------------
+
+ALL_PATCHES = ("lmcache-shutdown", "owner-cleanup", "worker-listener", "engine-state")
 
 _skip_without_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
@@ -93,7 +95,7 @@ def test_vllm_loads_the_plugin_once_per_process(clean_patches, monkeypatch) -> N
     monkeypatch.setenv("ENABLE_KVCACHED", "true")
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     vllm.plugins.load_general_plugins()
-    assert clean_patches.applied() == ("lmcache-shutdown", "owner-cleanup", "worker-listener")
+    assert clean_patches.applied() == ALL_PATCHES
     wrapper = vutils.CoreEngineProcManager.shutdown
     from kvcached.integration import vllm_plugin
 
@@ -130,7 +132,8 @@ def test_unknown_shape_disables_only_that_patch_with_one_warning(clean_patches, 
     with caplog.at_level(logging.WARNING, logger="kvcached.integration.vllm"):
         first = clean_patches.apply()
         second = clean_patches.apply()
-    assert first == second == {"lmcache-shutdown": True, "owner-cleanup": True, "worker-listener": False}
+    assert first == second == {"lmcache-shutdown": True, "owner-cleanup": True, "worker-listener": False,
+                               "engine-state": True}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "worker-listener" in warnings[0] and "WorkerProc.shutdown" in warnings[0]
     assert WorkerProc.shutdown is shutdown
@@ -167,8 +170,7 @@ def test_doctor_probe_reads_the_report() -> None:
     data = json.loads(line[len(diagnostics._DETECT_MARK):])
     assert set(data["conditions"]) == {"shutdown-timeout-zero", "sigterm-reset-before-teardown",
                                        "lmcache-no-shutdown-forwarding"}
-    assert {k for k, v in data["patches"].items() if v["active"]} == {"lmcache-shutdown", "owner-cleanup",
-                                                                      "worker-listener"}
+    assert {k for k, v in data["patches"].items() if v["active"]} == set(ALL_PATCHES)
 
 
 def test_detect_without_vllm_reports_why(monkeypatch) -> None:
