@@ -45,7 +45,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from . import enabled, layout_from_env
+from . import ENV_VLLM_PLUGINS, enabled, layout_from_env, plugin_allowed
 from .engine_state import ENV_DP
 
 log = logging.getLogger("kvcached.integration.vllm")
@@ -111,6 +111,9 @@ class VllmReport:
     enabled: bool  # ENABLE_KVCACHED / KVCACHED_ENABLE in this environment
     conditions: tuple[Condition, ...]
     patches: tuple[PatchStatus, ...]
+    plugin_allowed: bool = True  # False: VLLM_PLUGINS is set and excludes kvcached, vLLM never loads it
+    vllm_plugins: str | None = None  # VLLM_PLUGINS as set, if set
+    ray_installed: bool = False  # Ray-backed serves are not covered (docs/VLLM.md)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; conditions and patches keyed by name."""
@@ -119,6 +122,9 @@ class VllmReport:
             "vllm_version": self.vllm_version,
             "error": self.error,
             "enabled": self.enabled,
+            "plugin_allowed": self.plugin_allowed,
+            "vllm_plugins": self.vllm_plugins,
+            "ray_installed": self.ray_installed,
             "conditions": {c.name: c.to_dict() for c in self.conditions},
             "patches": {p.name: p.to_dict() for p in self.patches},
         }
@@ -809,16 +815,25 @@ def _cond_lmcache() -> Condition:
 
 def detect() -> VllmReport:
     """Inspect the installed vLLM: its leak conditions and each patch's status. Imports vLLM; never raises."""
+    import importlib.util
+
     on = enabled()
+    allowed = plugin_allowed()
+    plugins = os.environ.get(ENV_VLLM_PLUGINS)
     try:
         version = getattr(_module("vllm"), "__version__", None)
     except Exception as e:
-        return VllmReport(None, f"vLLM not importable: {type(e).__name__}: {e}", on, (), ())
+        return VllmReport(None, f"vLLM not importable: {type(e).__name__}: {e}", on, (), (), allowed, plugins)
+    try:
+        ray = importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):
+        ray = False
     conditions = (_cond_shutdown_timeout(), _cond_sigterm_reset(), _cond_lmcache())
     patches = []
     for p in PATCHES:
         ok, detail = _probe(p)
         is_applied = p.name in _applied
-        patches.append(PatchStatus(p.name, p.targets, ok or is_applied, is_applied, is_applied or (ok and on),
+        patches.append(PatchStatus(p.name, p.targets, ok or is_applied, is_applied,
+                                   is_applied or (ok and on and allowed),
                                    detail if ok or not is_applied else "applied"))
-    return VllmReport(version, None, on, conditions, tuple(patches))
+    return VllmReport(version, None, on, conditions, tuple(patches), allowed, plugins, ray)
