@@ -35,6 +35,7 @@ from kvcached.ipc.listener import WorkerListener  # noqa: E402
 from kvcached.layout import Layout  # noqa: E402
 
 from . import standins  # noqa: E402
+from .serves import gone  # noqa: E402
 from .standins import Spec, dead_node, read_pid, wait_for  # noqa: E402
 from .vllm_fakes import ServeConfig  # noqa: E402
 
@@ -97,22 +98,6 @@ def _kill(pid: int, sig: int) -> None:
         pass
 
 
-def _gone(pid: int) -> bool:
-    """Dead with every thread: a zombie leader's other threads may still hold its fds (and sockets)."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return True
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                    return False
-        except OSError:
-            continue
-    return True
-
-
 @pytest.fixture
 def serve(vllm_env, layout, monkeypatch, patched) -> Any:
     monkeypatch.setattr(EngineCoreProc, "run_engine_core", staticmethod(standins.engine_main))
@@ -157,7 +142,7 @@ def test_group_sigterm_leaves_nothing(serve, layout, vllm_env, patched, owner) -
         s.client().shutdown(timeout=0)
     else:
         s.manager.shutdown(timeout=0)  # run_multi_api_server / run_headless call this
-    assert wait_for(lambda: _gone(s.engine))
+    assert wait_for(lambda: gone(s.engine))
     state = _state(layout, vllm_env, 2, 2)
     if patched:
         assert not any(state.values()), state
@@ -172,7 +157,7 @@ def test_delayed_and_stopped_workers_keep_sockets_until_exit(serve, layout, vllm
     slow, stopped = s.workers[(0, 1)], s.workers[(0, 2)]
     _kill(stopped, signal.SIGSTOP)
     s.client().shutdown(timeout=0)
-    assert wait_for(lambda: _gone(s.engine))
+    assert wait_for(lambda: gone(s.engine))
     state = _state(layout, vllm_env, 3)
     assert state["pp0/w1"] and state["pp0/w2"] and state["dir"], state
     assert state["pp0/w0"] is (not patched) and state["segment"] is (not patched), state
@@ -180,7 +165,7 @@ def test_delayed_and_stopped_workers_keep_sockets_until_exit(serve, layout, vllm
     assert _state(layout, vllm_env, 3)["pp0/w2"]
     _kill(slow, signal.SIGKILL)
     _kill(stopped, signal.SIGKILL)
-    assert wait_for(lambda: _gone(slow) and _gone(stopped))
+    assert wait_for(lambda: gone(slow) and gone(stopped))
     if patched:
         assert wait_for(lambda: not any(_state(layout, vllm_env, 3).values()), timeout=10), _state(layout, vllm_env, 3)
     else:
@@ -196,7 +181,7 @@ def test_retry_on_repeated_shutdown(serve, layout, vllm_env, patched, monkeypatc
     client.shutdown(timeout=0)
     assert _state(layout, vllm_env, 2)["pp0/w1"]
     _kill(s.workers[(0, 1)], signal.SIGKILL)
-    assert wait_for(lambda: _gone(s.workers[(0, 1)]))
+    assert wait_for(lambda: gone(s.workers[(0, 1)]))
     s.manager.shutdown(timeout=0)  # e.g. BackgroundResources, or the supervisor's finally
     assert not any(_state(layout, vllm_env, 2).values()), getattr(s.manager, OWNER_ATTR).results
 
@@ -209,7 +194,7 @@ def test_same_name_replacements_stay(serve, layout, vllm_env, patched) -> None:
     s = serve(tp=2)
     for pid in s.workers.values():
         _kill(pid, signal.SIGKILL)
-    assert wait_for(lambda: all(_gone(p) for p in s.workers.values()))
+    assert wait_for(lambda: all(gone(p) for p in s.workers.values()))
     w0, w1 = layout.socket_path(vllm_env, 0), layout.socket_path(vllm_env, 1)
     os.unlink(w0)
     dead_node(w0)
@@ -223,7 +208,7 @@ def test_same_name_replacements_stay(serve, layout, vllm_env, patched) -> None:
         f.write(bytes(24))
     try:
         s.client().shutdown(timeout=0)
-        assert wait_for(lambda: _gone(s.engine))
+        assert wait_for(lambda: gone(s.engine))
         assert all(_state(layout, vllm_env, 2).values()), _state(layout, vllm_env, 2)
     finally:
         live.close()
@@ -238,7 +223,7 @@ def test_unconfirmed_engine_exit_keeps_everything(serve, layout, vllm_env, patch
     s.manager._finalizer.detach()  # vLLM's own shutdown already ran (or failed) and left the engine alive
     s.client().shutdown(timeout=0)
     time.sleep(0.5)
-    assert not _gone(s.engine)
+    assert not gone(s.engine)
     assert all(_state(layout, vllm_env, 2).values()), _state(layout, vllm_env, 2)
     _kill(s.engine, signal.SIGKILL)
     assert wait_for(lambda: not any(_state(layout, vllm_env, 2).values()), timeout=10), _state(layout, vllm_env, 2)
@@ -250,7 +235,7 @@ def test_nodes_absent_at_ready_are_never_claimed(serve, layout, vllm_env, patche
     s = serve(tp=2, late=((0, 1),))
     s.group_sigterm()
     s.client().shutdown(timeout=0)
-    assert wait_for(lambda: _gone(s.engine))
+    assert wait_for(lambda: gone(s.engine))
     state = _state(layout, vllm_env, 2)
     assert state["pp0/w1"] and state["dir"], state
     assert state["pp0/w0"] is (not patched) and state["segment"] is (not patched), state
@@ -276,7 +261,7 @@ def test_owner_without_parallel_config_touches_nothing(serve, layout, vllm_env, 
     assert OWNER_ATTR not in s.manager.__dict__
     s.group_sigterm()
     s.manager.shutdown(timeout=0)
-    assert wait_for(lambda: _gone(s.engine))
+    assert wait_for(lambda: gone(s.engine))
     assert all(_state(layout, vllm_env, 2).values())
 
 
