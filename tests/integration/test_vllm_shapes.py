@@ -249,3 +249,27 @@ def test_offline_script_keeps_default_sigterm(layout, uniq, start, patched) -> N
     s.group_sigterm()
     assert s.wait_exit(10) == -signal.SIGTERM
     expect_nothing_left(layout, s, timeout=60)
+
+
+@both
+def test_executor_removes_the_socket_of_a_worker_that_died(layout, uniq, start, patched) -> None:
+    """A worker SIGKILLed mid-serve leaves its socket; vLLM's monitor shuts the executor down, which removes it.
+
+    The executor is the only owner a headless worker node has; here it is an
+    in-process engine's, so nothing above it could clean up instead.
+    """
+    s = start(Shape(owner="inproc", tp=2), patched)
+    dead, survivor = s.workers[s.owner]
+    if patched:
+        expect_live(layout, s, {uniq: [s.owner, dead, survivor]}, tp=2)
+    else:
+        expect_nothing_made(layout)
+    os.kill(dead, signal.SIGKILL)  # no cleanup of its own: its node stays behind
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (gone(dead) and gone(survivor) and node_entries(layout) == []):
+        time.sleep(0.05)
+    assert gone(dead) and gone(survivor)  # vLLM's monitor shut the executor down, terminating the survivor
+    assert node_entries(layout) == []
+    assert s.call("stop") == "stopped"
+    assert s.wait_exit(30) == 0
+    expect_nothing_left(layout, s)
