@@ -344,7 +344,46 @@ def check_vllm(ctx: Context) -> list[CheckResult]:
     if r.returncode != 0 or line is None:
         last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
         return _r("vllm", g, Status.WARN, f"could not inspect the installed vLLM: {last}")
-    return vllm_results(json.loads(line[len(_DETECT_MARK):]))
+    data = json.loads(line[len(_DETECT_MARK):])
+    return vllm_results(data) + ray_results(bool(data.get("ray_installed")), ray_serves(ctx.view.facts.processes.values()))
+
+
+# What kvcached does not cover under Ray (docs/VLLM.md, "Shapes").
+RAY_NOT_COVERED = ("Ray-backed serves (--distributed-executor-backend ray, --data-parallel-backend ray) are not "
+                   "covered: their workers and engines are Ray actors outside the serve's process group, so no "
+                   "worker socket is served, no segment is claimed and no owner cleans up after them")
+_RAY_ACTORS = ("RayWorkerProc", "EngineCoreActor", "DPMoEEngineCoreActor")
+
+
+def ray_serves(processes: Any) -> list[int]:
+    """PIDs of vLLM processes on this node that run on Ray (by command line or Ray actor title)."""
+    out = []
+    for p in processes:
+        argv = p.cmdline
+        title = argv[0] if argv else ""
+        if title.startswith("ray::") and any(a in title for a in _RAY_ACTORS):
+            out.append(p.pid)
+            continue
+        for i, arg in enumerate(argv[:-1]):
+            if arg in ("--distributed-executor-backend", "--data-parallel-backend") and argv[i + 1] == "ray":
+                out.append(p.pid)
+                break
+        else:
+            if any(a in ("--distributed-executor-backend=ray", "--data-parallel-backend=ray") for a in argv):
+                out.append(p.pid)
+    return sorted(out)
+
+
+def ray_results(installed: bool, pids: list[int]) -> list[CheckResult]:
+    """Doctor lines about Ray: a warning naming the Ray-backed vLLM processes running here, else a note if installed."""
+    g = Group.ENGINE
+    if pids:
+        return _r("vllm-ray", g, Status.WARN, f"Ray-backed vLLM process(es) here (PID {', '.join(map(str, pids[:8]))}): "
+                  + RAY_NOT_COVERED, "serve with the default multiprocessing backends to have kvcached cover them; "
+                  "meanwhile clean up by hand: kvctl gc --yes", pids=pids)
+    if installed:
+        return _r("vllm-ray", g, Status.SKIP, "Ray is installed; none of its vLLM serves runs here. " + RAY_NOT_COVERED)
+    return []
 
 
 def vllm_results(data: Mapping[str, Any]) -> list[CheckResult]:
@@ -354,10 +393,20 @@ def vllm_results(data: Mapping[str, Any]) -> list[CheckResult]:
     if data.get("error"):
         return _r("vllm", g, Status.WARN, f"could not inspect the installed vLLM: {data['error']}")
     enabled = data.get("enabled")
-    out = _r("vllm", g, Status.OK if enabled else Status.WARN,
-             f"vLLM {data.get('vllm_version') or '?'} installed; kvcached integration "
-             + ("enabled" if enabled else "not enabled in this environment"),
-             None if enabled else enable, detect=dict(data))
+    excluded = data.get("plugin_allowed") is False
+    if excluded:
+        current = str(data.get("vllm_plugins") or "")
+        names = [n for n in current.split(",") if n]
+        enable = (f"export VLLM_PLUGINS={','.join(names + ['kvcached'])} (or unset VLLM_PLUGINS): vLLM loads only "
+                  f"the plugins it lists")
+    state = ("enabled, but inactive: VLLM_PLUGINS excludes it" if enabled and excluded else
+             "enabled" if enabled else "not enabled in this environment")
+    out = _r("vllm", g, Status.OK if enabled and not excluded else Status.WARN,
+             f"vLLM {data.get('vllm_version') or '?'} installed; kvcached integration {state}",
+             None if enabled and not excluded else enable, detect=dict(data))
+    if excluded:
+        out += _r("vllm-plugins", g, Status.WARN, f"VLLM_PLUGINS={data.get('vllm_plugins')!r} does not list kvcached: "
+                  "vLLM never loads kvcached's plugin, so its patches are inactive", enable)
     active = []
     for name, value in _items(data.get("patches")):
         on, detail = _flag(value, ("active", "applied", "enabled", "ok"))

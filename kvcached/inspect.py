@@ -16,7 +16,7 @@ from .decide import State
 from .errors import KvcachedError, SegmentBusy
 from .facts import START_SLACK, Facts, ProcessInfo
 from .layout import Layout
-from .naming import default_name_pgid
+from .naming import default_name_pgid, split_dp_rank
 from .scan import Candidate, FileType, Kind, StrEnum
 from .segment import SegmentInfo, read_segment
 
@@ -138,6 +138,16 @@ class DeploymentView:
     segment_error: str | None = None
     served_by: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # socket path -> listening PIDs
 
+    @property
+    def serve(self) -> str:
+        """The serve this deployment belongs to: its name without a `_dp<rank>` suffix (one serve, several DP ranks)."""
+        return split_dp_rank(self.name)[0]
+
+    @property
+    def dp_rank(self) -> int | None:
+        """The data-parallel rank this deployment is, None outside a DP serve."""
+        return split_dp_rank(self.name)[1]
+
     def pids_of(self, e: Entry) -> tuple[int, ...]:
         """The PIDs behind an entry: its decision's evidence, else the processes listening on a socket."""
         return e.decision.pids or self.served_by.get(e.path, ())
@@ -157,7 +167,7 @@ class DeploymentView:
     def to_dict(self) -> dict[str, Any]:
         seg = self.segment_entry()
         return {
-            "name": self.name, "state": str(self.state),
+            "name": self.name, "state": str(self.state), "serve": self.serve, "dp_rank": self.dp_rank,
             "segment": None if seg is None else {
                 "path": seg.path, **(self.segment.to_dict() if self.segment else
                                      {"limit": None, "used": None, "prealloc": None}),
@@ -198,6 +208,15 @@ class NodeView:
     def orphans(self) -> list[tuple[DeploymentView, ProcessView]]:
         return [(d, p) for d in self.deployments for p in d.orphans]
 
+    def serves(self) -> dict[str, list[DeploymentView]]:
+        """Deployments by serve: the DP ranks of one serve (`<serve>_dp<r>`) together, in rank order."""
+        out: dict[str, list[DeploymentView]] = {}
+        for d in self.deployments:
+            out.setdefault(d.serve, []).append(d)
+        for ranks in out.values():
+            ranks.sort(key=lambda d: (d.dp_rank is not None, d.dp_rank or 0, d.name))
+        return out
+
     def killable_orphans(self) -> list[tuple[DeploymentView, ProcessView]]:
         """Orphans of deployments whose engine is confirmed gone: no engine or API process alive, /proc complete."""
         if self.incomplete or self.facts.hidepid:
@@ -209,6 +228,11 @@ class NodeView:
             "schema": "kvctl.inspect/1",
             "root": self.layout.root,
             "deployments": [d.to_dict() for d in self.deployments],
+            "serves": [{"name": name, "state": str(_summary_state([e for d in ranks for e in d.entries],
+                                                                   [p for d in ranks for p in d.processes])),
+                        "deployments": [d.name for d in ranks],
+                        "dp_ranks": [d.dp_rank for d in ranks if d.dp_rank is not None]}
+                       for name, ranks in self.serves().items()],
             "unowned": [e.to_dict() for e in self.unowned],
             "other_namespaces": [n.to_dict() for n in self.namespaces],
             "errors": list(self.errors),

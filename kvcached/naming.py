@@ -12,9 +12,14 @@ MAX_NAME = 64
 TAGS = ("vLLM", "SGLang", "proc")
 ENV_NAME = "KVCACHED_IPC_NAME"
 
-# Default names: kvcached_<Tag>_<PGID>, optionally with the `_g<id>` group suffix
-# or the `_<n>` uniqueness suffix upstream's code paths mention.
-DEFAULT_NAME_RE = re.compile(r"^kvcached_(vLLM|SGLang|proc)_([0-9]+)(?:_g[0-9]+|_[0-9]+)?\Z")
+# Default names: kvcached_<Tag>_<PGID>, optionally with our `_dp<rank>` data-parallel
+# suffix, then the `_g<id>` group suffix or the `_<n>` uniqueness suffix
+# upstream's code paths mention.
+DEFAULT_NAME_RE = re.compile(r"^kvcached_(vLLM|SGLang|proc)_([0-9]+)(?:_dp[0-9]+)?(?:_g[0-9]+|_[0-9]+)?\Z")
+# Every DP rank of one serve is its own engine with its own KV pool: it gets its
+# own name, `<serve name>_dp<rank>` (LAYOUT.md has no DP rule: upstream gives all
+# ranks one name and their workers collide on the same sockets).
+DP_SUFFIX_RE = re.compile(r"^(.+)_dp([0-9]+)\Z")
 
 
 def sanitize(raw: str) -> str:
@@ -60,6 +65,23 @@ def ipc_name_from_env(environ: Mapping[str, str] | None = None, *, tag: str | No
     if explicit:
         return sanitize(explicit)
     return default_ipc_name(tag)
+
+
+def dp_rank_name(name: str, rank: int) -> str:
+    """The IPC name of data-parallel rank `rank` of the serve named `name`: `<name>_dp<rank>`, within 64 characters.
+
+    The serve's name is cut, never the suffix: two ranks must never share a name.
+    """
+    if rank < 0:
+        raise ValueError(f"DP rank must be ≥ 0, got {rank}")
+    suffix = f"_dp{rank}"
+    return name[:MAX_NAME - len(suffix)] + suffix
+
+
+def split_dp_rank(name: str) -> tuple[str, int | None]:
+    """(serve name, DP rank) of an IPC name; (name, None) for a name without the `_dp<rank>` suffix."""
+    m = DP_SUFFIX_RE.match(name)
+    return (m.group(1), int(m.group(2))) if m else (name, None)
 
 
 def default_name_pgid(name: str) -> int | None:

@@ -203,7 +203,12 @@ def render_view(out: Out, view: "NodeView", *, now: float, hint: Callable[[str],
 
     if not view.deployments and not view.unowned:
         out.line(f"No kvcached state under {view.layout.root}.")
-    for d in view.deployments:
+    serves = view.serves()
+    for d in (d for ranks in serves.values() for d in ranks):
+        ranks = serves[d.serve]
+        if len(ranks) > 1 and d is ranks[0]:
+            out.line(("Serve ", "bold"), (d.serve, "bold"), f"  data parallel: {len(ranks)} ranks here "
+                     f"({', '.join(r.name for r in ranks)})")
         orphan_note = f", {len(d.orphans)} orphaned" if d.orphans else ""
         out.line(("Deployment ", "bold"), (d.name, "bold"), "  ", state_cell(d.state),
                  f"  ({len(d.processes)} process{'es' if len(d.processes) != 1 else ''}{orphan_note})")

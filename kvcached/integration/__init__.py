@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from ..layout import Layout
 
 ENV_ROOT = "KVCACHED_ROOT"
+PLUGIN_NAME = "kvcached"  # the entry point's name in group vllm.general_plugins
+ENV_VLLM_PLUGINS = "VLLM_PLUGINS"
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -20,6 +22,18 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
     upstream = env.get("ENABLE_KVCACHED", "").strip().lower() in ("true", "1", "yes", "on")
     ours = env.get("KVCACHED_ENABLE", "").strip().lower() in ("1", "true", "yes", "on")
     return upstream or ours
+
+
+def plugin_allowed(environ: Mapping[str, str] | None = None) -> bool:
+    """False when `VLLM_PLUGINS` is set and does not list `kvcached`: vLLM then never calls our plugin.
+
+    Parsed as vLLM 0.33 parses it (`envs.VLLM_PLUGINS`): split on `,`, names
+    compared exactly, so `VLLM_PLUGINS=""` allows no plugin at all.
+    """
+    env = os.environ if environ is None else environ
+    if ENV_VLLM_PLUGINS not in env:
+        return True
+    return PLUGIN_NAME in env[ENV_VLLM_PLUGINS].split(",")
 
 
 def layout_from_env(environ: Mapping[str, str] | None = None) -> Layout:

@@ -8,6 +8,18 @@ process has a confirmed exit code, removes what it captured and nobody serves
 (kvcached.owner does the deciding and the removing). What a still-living
 worker serves is kept and retried in the background until the worker exits.
 
+The same duty serves one level down: an executor owns its worker processes
+(`names` with one name, `segments=False`: the engine's own segment is the
+engine's to give back), which matters where no engine owner is above it
+(headless worker nodes) or where the engine outlives a worker it killed.
+
+The owner never installs a signal handler: a process that did not ask for one
+(an offline `LLM` script) keeps the default SIGTERM action. On a process-group
+SIGTERM its engine and workers clean up after themselves (they are not
+SIGKILLed when their owner is gone); what a SIGTERM to that process alone
+leaves behind is unleased and unserved, so the next start (`claim_segment`)
+or `kvctl gc` removes it.
+
 Nothing here raises into the engine's shutdown: failures are logged.
 """
 
@@ -15,12 +27,11 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..layout import Layout
 from ..owner import OwnerResult, SegmentCleanup, WorkerSocketCleanup
@@ -48,18 +59,22 @@ class ProcLike(Protocol):
 
 
 class EngineOwner:
-    """Cleanup duty of one owner of engine processes (one CoreEngineProcManager)."""
+    """Cleanup duty of one owner of engine processes (a CoreEngineProcManager) or of worker processes (an executor).
 
-    def __init__(self, processes: Sequence[ProcLike], layout: Layout, name: str,
-                 tp_size: int, pp_size: int, *, headless: bool = False) -> None:
+    `names` has one IPC name per engine: a DP serve's engines each have their own.
+    """
+
+    def __init__(self, processes: Sequence[ProcLike], layout: Layout, names: Sequence[str],
+                 tp_size: int, pp_size: int, *, headless: bool = False, segments: bool = True) -> None:
         self.processes = processes
         self.headless = headless  # engines handshake elsewhere: no READY passes through this owner
         self.layout = layout
-        self.name = name
+        self.names = tuple(names)
+        self.name = ", ".join(self.names)  # for log lines
         self.tp_size = tp_size
         self.pp_size = pp_size
-        self.segment = SegmentCleanup(layout, name)
-        self.sockets = WorkerSocketCleanup(layout, name, tp_size, pp_size)
+        self.segments = [SegmentCleanup(layout, n) for n in self.names] if segments else []
+        self.sockets = [WorkerSocketCleanup(layout, n, tp_size, pp_size) for n in self.names]
         self.captured = False
         self.complete = False
         self._lock = threading.RLock()
@@ -72,12 +87,10 @@ class EngineOwner:
             if self.captured:
                 return
             try:
-                seg = self.segment.capture()
-                n = self.sockets.capture()
+                segs = sum(s.capture() for s in self.segments)
+                n = sum(s.capture() for s in self.sockets)
                 self.captured = True
-                log.info("kvcached owner: captured %s (segment: %s, worker sockets: %d)",
-                         self.name, "yes" if seg else "none", n)
-                _register_sigterm_owner(self)
+                log.info("kvcached owner: captured %s (segments: %d, worker sockets: %d)", self.name, segs, n)
             except Exception as e:
                 log.warning("kvcached owner: capture of %s failed, nothing will be cleaned: %s", self.name, e)
 
@@ -99,29 +112,43 @@ class EngineOwner:
         return True
 
     def after_shutdown(self, wait: float | None = None) -> None:
-        """Run after the original shutdown: clean up if every engine exit is confirmed, else keep all. Never raises."""
+        """Run after the original shutdown: clean up if every engine exit is confirmed, else keep all. Never raises.
+
+        Within the same wait, what is still served is retried here: workers hit
+        by the same SIGKILL die within milliseconds of their engine, and an owner
+        that exits right after its shutdown (an API server) takes its background
+        retry with it.
+        """
+        wait = EXIT_WAIT_S if wait is None else wait
+        deadline = time.monotonic() + wait
         try:
             with self._lock:
                 if not self.captured or self.complete:
                     return
-                if not self.exits_confirmed(EXIT_WAIT_S if wait is None else wait):
+                if not self.exits_confirmed(wait):
                     log.warning("kvcached owner: engine exit not confirmed for %s; keeping its segment and sockets "
                                 "(will retry)", self.name)
                     self._start_retry()
                     return
-                self._cleanup_once()
+                while True:
+                    last = time.monotonic() + RETRY_INTERVAL_S >= deadline
+                    self._cleanup_once(log_kept=last)
+                    if self.complete or last:
+                        break
+                    time.sleep(RETRY_INTERVAL_S)
                 if not self.complete:
                     self._start_retry()
         except Exception as e:
             log.warning("kvcached owner: cleanup of %s failed: %s", self.name, e)
 
-    def _cleanup_once(self) -> None:
-        results = (self.sockets.cleanup(), self.segment.cleanup())
+    def _cleanup_once(self, log_kept: bool = True) -> None:
+        # Sockets first: a worker socket still served keeps its deployment, and so its segment, live.
+        results = [s.cleanup() for s in self.sockets] + [s.cleanup() for s in self.segments]
         self.results.extend(results)
         for r in results:
             for path in r.removed:
                 log.info("kvcached owner: removed %s", path)
-            for path, why in r.kept:
+            for path, why in r.kept if log_kept else ():
                 log.info("kvcached owner: kept %s (%s)", path, why)
             for err in r.errors:
                 log.warning("kvcached owner: %s", err)
@@ -162,49 +189,3 @@ def _retry_loop(ref: "weakref.ReferenceType[EngineOwner]") -> None:
             return
         del owner
         time.sleep(RETRY_INTERVAL_S)
-
-
-# The owner's own SIGTERM ------------------------------------------------------
-#
-# vLLM's API server and supervisor install their own SIGTERM handlers; when an
-# owner still has the default disposition (e.g. an offline LLM in a script),
-# SIGTERM would kill it before any shutdown runs, and nothing would clean up.
-# Then we run the same gated cleanup on the way out and die by the same signal.
-
-_sigterm_owners: "weakref.WeakSet[EngineOwner]" = weakref.WeakSet()
-_sigterm_lock = threading.Lock()
-_sigterm_installed = False
-
-
-def _register_sigterm_owner(owner: EngineOwner) -> None:
-    global _sigterm_installed
-    with _sigterm_lock:
-        _sigterm_owners.add(owner)
-        if _sigterm_installed:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal.signal works only in the main thread
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return  # vLLM (or the application) handles SIGTERM: its shutdown path cleans up
-        signal.signal(signal.SIGTERM, _on_sigterm)
-        _sigterm_installed = True
-
-
-def _on_sigterm(signum: int, _frame: Any) -> None:
-    try:
-        owners = list(_sigterm_owners)
-        for owner in owners:
-            owner.after_shutdown()
-        # The same SIGTERM reached the workers (a process-group signal): give
-        # them the exit wait to die before we do, since no retry outlives us.
-        deadline = time.monotonic() + EXIT_WAIT_S
-        while time.monotonic() < deadline and not all(o.retry() for o in owners):
-            time.sleep(RETRY_INTERVAL_S)
-    finally:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-
-def sigterm_handler_installed() -> bool:
-    """True when this process's SIGTERM disposition is the owner's gated-cleanup handler."""
-    return signal.getsignal(signal.SIGTERM) is _on_sigterm

@@ -16,6 +16,14 @@ Patches:
   deployment's state at READY and removes it after a confirmed engine exit.
 - `worker-listener`: `WorkerProc.__init__`/`.shutdown`: the worker's IPC
   listener starts with the worker and stops in its shutdown.
+- `engine-state`: `UniProcExecutor`/`MultiprocExecutor` `_init_executor` and
+  `shutdown`, `Executor.initialize_from_config`, `KVCacheManager.__init__`:
+  the engine claims its segment (and at TP=1 serves `w0.sock`) when its
+  executor starts, publishes its KV cache, and gives it all back in the
+  executor's shutdown; an executor removes the sockets of workers it killed.
+
+Ray executors, Ray data parallel and external launchers are left alone
+(`not_covered`).
 
 `detect()` imports vLLM when called, never at import: `kvctl doctor` calls it
 in a subprocess.
@@ -28,13 +36,17 @@ import functools
 import importlib
 import inspect
 import logging
+import os
 import re
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from . import enabled, layout_from_env
+from . import ENV_VLLM_PLUGINS, enabled, layout_from_env, plugin_allowed
+from .engine_state import ENV_DP
 
 log = logging.getLogger("kvcached.integration.vllm")
 
@@ -43,11 +55,16 @@ SCHEMA = "kvcached.vllm-detect/1"
 M_UTILS = "vllm.v1.engine.utils"
 M_CORE = "vllm.v1.engine.core"
 M_EXECUTOR = "vllm.v1.executor.multiproc_executor"
+M_UNIPROC = "vllm.v1.executor.uniproc_executor"
+M_ABSTRACT = "vllm.v1.executor.abstract"
+M_KV_MANAGER = "vllm.v1.core.kv_cache_manager"
 M_LMCACHE = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector"
 M_ARGS = "vllm.engine.arg_utils"
 
 _MARK = "__kvcached_original__"  # set on every wrapper: the function it wraps
 OWNER_ATTR = "_kvcached_owner"
+ENGINE_ATTR = "_kvcached_engine"  # on an executor: its engine's EngineState
+WORKERS_ATTR = "_kvcached_workers"  # on a MultiprocExecutor: the EngineOwner of its worker processes
 LISTENER_ATTR = "_kvcached_listener"
 _LISTENER_TRIED = "_kvcached_listener_tried"
 _LMCACHE_DONE = "_kvcached_lmcache_shutdown_done"
@@ -94,6 +111,9 @@ class VllmReport:
     enabled: bool  # ENABLE_KVCACHED / KVCACHED_ENABLE in this environment
     conditions: tuple[Condition, ...]
     patches: tuple[PatchStatus, ...]
+    plugin_allowed: bool = True  # False: VLLM_PLUGINS is set and excludes kvcached, vLLM never loads it
+    vllm_plugins: str | None = None  # VLLM_PLUGINS as set, if set
+    ray_installed: bool = False  # Ray-backed serves are not covered (docs/VLLM.md)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; conditions and patches keyed by name."""
@@ -102,6 +122,9 @@ class VllmReport:
             "vllm_version": self.vllm_version,
             "error": self.error,
             "enabled": self.enabled,
+            "plugin_allowed": self.plugin_allowed,
+            "vllm_plugins": self.vllm_plugins,
+            "ray_installed": self.ray_installed,
             "conditions": {c.name: c.to_dict() for c in self.conditions},
             "patches": {p.name: p.to_dict() for p in self.patches},
         }
@@ -144,6 +167,34 @@ def _bound(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
         return inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get(name)
     except TypeError:
         return kwargs.get(name)
+
+
+@contextmanager
+def _env(name: str, value: str | None) -> Iterator[None]:
+    """`name=value` in os.environ for the block (child processes started in it inherit it); None: unchanged."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def not_covered(parallel_config: Any) -> str | None:
+    """Why kvcached leaves this executor or worker alone (Ray, external launchers), or None when it covers it."""
+    if getattr(parallel_config, "use_ray", False) is True:
+        return "Ray executor: its workers are Ray actors outside the serve's process group"
+    if getattr(parallel_config, "data_parallel_backend", "mp") == "ray":
+        return "Ray data parallel: engines are Ray actors that no engine owner cleans up after"
+    if getattr(parallel_config, "distributed_executor_backend", None) == "external_launcher":
+        return "external launcher (torchrun): every process is its own engine of one TP group"
+    return None
 
 
 class _Shape(Exception):
@@ -246,20 +297,26 @@ def _owner_apply() -> Callable[[], None]:
 
     @functools.wraps(orig_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        orig_init(self, *args, **kwargs)
+        bound = functools.partial(_bound, orig_init, (self, *args), kwargs)
+        parallel = getattr(bound("vllm_config"), "parallel_config", None)
+        dp = getattr(parallel, "data_parallel_size", 1)
+        is_dp = isinstance(dp, int) and dp > 1
+        # The engines this starts inherit the marker (fork or spawn) and so name
+        # themselves per DP rank, as the names below expect.
+        with _env(ENV_DP, "1" if is_dp else None):
+            orig_init(self, *args, **kwargs)
         try:
-            vllm_config = _bound(orig_init, (self, *args), kwargs, "vllm_config")
-            local_client = _bound(orig_init, (self, *args), kwargs, "local_client")
-            parallel = getattr(vllm_config, "parallel_config", None)
             tp = getattr(parallel, "tensor_parallel_size", None)
             pp = getattr(parallel, "pipeline_parallel_size", None)
             if not isinstance(tp, int) or not isinstance(pp, int):
                 log.debug("kvcached: engine manager without a parallel config; no owner cleanup")
                 return
-            from ..naming import ipc_name_from_env
+            from ..naming import dp_rank_name, ipc_name_from_env
 
-            owner = EngineOwner(self.processes, layout_from_env(), ipc_name_from_env(), tp, pp,
-                                headless=not local_client)
+            base = ipc_name_from_env()
+            start = int(bound("start_index") or 0)
+            names = [dp_rank_name(base, start + i) for i in range(len(self.processes))] if is_dp else [base]
+            owner = EngineOwner(self.processes, layout_from_env(), names, tp, pp, headless=not bound("local_client"))
             setattr(self, OWNER_ATTR, owner)
         except Exception as e:
             log.warning("kvcached: owner cleanup not set up: %s", e)
@@ -353,10 +410,15 @@ def start_worker_listener(worker: Any, vllm_config: Any, rank: int) -> Any:
     worker.__dict__[_LISTENER_TRIED] = True
     try:
         from ..ipc.listener import WorkerListener
-        from ..naming import ipc_name_from_env
+        from .engine_state import engine_name
 
-        tp_rank, stage = worker_ranks(getattr(vllm_config, "parallel_config", None), rank)
-        listener = WorkerListener(layout_from_env(), ipc_name_from_env(), tp_rank, stage)
+        parallel = getattr(vllm_config, "parallel_config", None)
+        why = not_covered(parallel)
+        if why is not None:
+            log.info("kvcached: worker rank %d serves no socket: %s", rank, why)
+            return None
+        tp_rank, stage = worker_ranks(parallel, rank)
+        listener = WorkerListener(layout_from_env(), engine_name(parallel), tp_rank, stage)
         # Recorded before it binds: a SIGTERM landing in start() raises SystemExit
         # through here, and the worker's shutdown must still find what to stop.
         worker.__dict__[LISTENER_ATTR] = listener
@@ -423,6 +485,204 @@ def _worker_apply() -> Callable[[], None]:
     return undo
 
 
+# Patch: the engine's own state ---------------------------------------------------
+
+
+def _engine_probe() -> tuple[Any, Any, Any, Any, str]:
+    uni = getattr(_module(M_UNIPROC), "UniProcExecutor", None)
+    mp = getattr(_module(M_EXECUTOR), "MultiprocExecutor", None)
+    base = getattr(_module(M_ABSTRACT), "Executor", None)
+    kv_manager = getattr(_module(M_KV_MANAGER), "KVCacheManager", None)
+    if uni is None or mp is None or base is None or kv_manager is None:
+        raise _Shape("UniProcExecutor, MultiprocExecutor, Executor or KVCacheManager is missing")
+    for cls in (uni, mp):
+        for method in ("_init_executor", "shutdown"):
+            if _params(_original(cls.__dict__.get(method))) != ["self"]:
+                raise _Shape(f"{cls.__name__}.{method}() is missing or takes arguments")
+    if _params(_original(base.__dict__.get("initialize_from_config"))) != ["self", "kv_cache_configs"]:
+        raise _Shape("Executor.initialize_from_config(kv_cache_configs) is missing or changed")
+    if any(m in uni.__dict__ or m in mp.__dict__ for m in ("initialize_from_config",)):
+        raise _Shape("an executor overrides initialize_from_config")
+    if not isinstance(getattr(kv_manager, "usage", None), property):
+        raise _Shape("KVCacheManager.usage is no longer a property")
+    return uni, mp, base, kv_manager, ("the engine claims its segment when its executor starts (and serves "
+                                       "w0.sock at TP=1), publishes its KV cache, and gives both back in the "
+                                       "executor's shutdown")
+
+
+def _device_total() -> int | None:
+    """One device's total memory, without creating a CUDA context in the engine process."""
+    try:
+        from vllm.platforms import current_platform
+
+        return int(current_platform.get_device_total_memory(0))  # NVML on CUDA: no context
+    except Exception:
+        pass
+    try:
+        import psutil
+
+        # No GPU platform (vLLM's CPU backend, tests): the KV cache lives in host memory.
+        return int(psutil.virtual_memory().total)
+    except Exception:
+        return None
+
+
+def engine_limit(vllm_config: Any) -> Any:
+    """The limit this engine claims with (KVCACHED_LIMIT, else vLLM's memory share of one device)."""
+    from ..units import BadValue
+    from .limits import ENV_LIMIT, resolve_limit
+
+    share = getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization", 0.9)
+    share = share if isinstance(share, float) and 0 < share <= 1 else 0.9
+    try:
+        return resolve_limit(_device_total, share)
+    except BadValue as e:
+        log.warning("kvcached: %s; using vLLM's memory share instead", e)
+        env = {k: v for k, v in os.environ.items() if k != ENV_LIMIT}
+        return resolve_limit(_device_total, share, env)
+
+
+def start_engine(executor: Any, *, serve: bool) -> Any:
+    """After the executor started: the engine's name, its TP=1 socket, its segment. Returns the EngineState; never raises."""
+    global _worker_listener
+    try:
+        from .engine_state import EngineState, engine_name, register
+
+        parallel = executor.parallel_config
+        why = not_covered(parallel)
+        if why is not None:
+            log.info("kvcached: %s not covered: %s", type(executor).__name__, why)
+            return None
+        state = EngineState(layout_from_env(), engine_name(parallel))
+        executor.__dict__[ENGINE_ATTR] = state
+        register(state)
+        if serve:
+            listener = state.serve(0, 0)
+            if listener is not None:
+                with _worker_lock:
+                    _worker_listener = listener
+        # Workers of a DP replica that spans nodes run headless on the other
+        # nodes (node_rank_within_dp > 0); the segment is the head engine's.
+        if getattr(parallel, "node_rank_within_dp", 0) == 0:
+            state.claim(engine_limit(executor.vllm_config))
+        return state
+    except Exception as e:
+        log.warning("kvcached: engine state not set up: %s", e)
+        return None
+
+
+def stop_engine(executor: Any) -> None:
+    """Give back what the engine holds: its socket, its lease, its segment. Never raises."""
+    global _worker_listener
+    state = executor.__dict__.get(ENGINE_ATTR)
+    if state is None:
+        return
+    with _worker_lock:
+        if _worker_listener is state.listener:
+            _worker_listener = None
+    state.release()
+
+
+def _kv_bytes(kv_cache_configs: Any) -> int:
+    """KV cache bytes one rank allocates: its tensors' sizes (the largest rank's, should ranks differ)."""
+    try:
+        return max((sum(int(t.size) for t in cfg.kv_cache_tensors) for cfg in kv_cache_configs), default=0)
+    except (TypeError, AttributeError):
+        return 0
+
+
+def _engine_apply() -> Callable[[], None]:
+    from .engine_owner import EngineOwner
+    from .engine_state import current_engine
+
+    uni, mp, base, kv_manager, _ = _engine_probe()
+    originals = [(uni, "_init_executor", uni._init_executor), (uni, "shutdown", uni.shutdown),
+                 (mp, "_init_executor", mp._init_executor), (mp, "shutdown", mp.shutdown),
+                 (base, "initialize_from_config", base.initialize_from_config),
+                 (kv_manager, "__init__", kv_manager.__init__)]
+    orig = {(cls, name): fn for cls, name, fn in originals}
+
+    def uni_init(self: Any) -> None:
+        orig[uni, "_init_executor"](self)
+        start_engine(self, serve=True)  # TP=1: the model runs here, so this process serves w0.sock
+
+    def uni_shutdown(self: Any) -> Any:
+        state = self.__dict__.get(ENGINE_ATTR)
+        if state is not None:
+            state.stop_serving()  # first, like a worker: whatever kills us next, the node is gone
+        try:
+            return orig[uni, "shutdown"](self)
+        finally:
+            stop_engine(self)
+
+    def mp_init(self: Any) -> None:
+        orig[mp, "_init_executor"](self)
+        state = start_engine(self, serve=False)
+        try:
+            if state is not None:
+                procs = [w.proc for w in getattr(self, "workers", None) or []]
+                tp = self.parallel_config.tensor_parallel_size
+                pp = self.parallel_config.pipeline_parallel_size
+                self.__dict__[WORKERS_ATTR] = EngineOwner(procs, state.layout, [state.name], tp, pp,
+                                                          segments=False)
+        except Exception as e:
+            log.warning("kvcached: worker cleanup not set up: %s", e)
+
+    def mp_shutdown(self: Any) -> Any:
+        owner = self.__dict__.get(WORKERS_ATTR)
+        if owner is not None and not owner.captured:
+            # A headless node's executor never runs initialize_from_config: capture
+            # now, but only while every worker still runs (their nodes are theirs).
+            try:
+                if all(p.exitcode is None for p in owner.processes):
+                    owner.capture()
+            except Exception as e:
+                log.warning("kvcached: worker capture failed: %s", e)
+        try:
+            return orig[mp, "shutdown"](self)
+        finally:
+            if owner is not None:
+                owner.after_shutdown()
+            stop_engine(self)
+
+    def initialize_from_config(self: Any, kv_cache_configs: Any) -> Any:
+        result = orig[base, "initialize_from_config"](self, kv_cache_configs)
+        try:
+            state = self.__dict__.get(ENGINE_ATTR)
+            if state is not None:
+                state.track_kv_cache(_kv_bytes(kv_cache_configs))
+            owner = self.__dict__.get(WORKERS_ATTR)
+            if owner is not None:
+                owner.capture()  # every worker ran this RPC: each is in its busy loop, its socket bound
+        except Exception as e:
+            log.warning("kvcached: KV cache not tracked: %s", e)
+        return result
+
+    def kv_manager_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig[kv_manager, "__init__"](self, *args, **kwargs)
+        try:
+            engine = current_engine()
+            if engine is not None:
+                ref = weakref.ref(self)
+                engine.follow_usage(lambda: ref().usage)  # type: ignore[union-attr]
+        except Exception as e:
+            log.warning("kvcached: KV cache usage not followed: %s", e)
+
+    wrappers = {(uni, "_init_executor"): uni_init, (uni, "shutdown"): uni_shutdown,
+                (mp, "_init_executor"): mp_init, (mp, "shutdown"): mp_shutdown,
+                (base, "initialize_from_config"): initialize_from_config, (kv_manager, "__init__"): kv_manager_init}
+    for (cls, name), fn in wrappers.items():
+        functools.update_wrapper(fn, orig[cls, name])
+        setattr(fn, _MARK, orig[cls, name])
+        setattr(cls, name, fn)
+
+    def undo() -> None:
+        for cls, name, fn in originals:
+            setattr(cls, name, fn)
+
+    return undo
+
+
 # Registry --------------------------------------------------------------------
 
 
@@ -440,6 +700,10 @@ PATCHES: tuple[_Patch, ...] = (
                              f"{M_UTILS}:wait_for_engine_startup"), _owner_probe, _owner_apply),
     _Patch("worker-listener", (f"{M_EXECUTOR}:WorkerProc.__init__", f"{M_EXECUTOR}:WorkerProc.worker_busy_loop",
                                 f"{M_EXECUTOR}:WorkerProc.shutdown"), _worker_probe, _worker_apply),
+    _Patch("engine-state", (f"{M_UNIPROC}:UniProcExecutor._init_executor", f"{M_UNIPROC}:UniProcExecutor.shutdown",
+                            f"{M_EXECUTOR}:MultiprocExecutor._init_executor", f"{M_EXECUTOR}:MultiprocExecutor.shutdown",
+                            f"{M_ABSTRACT}:Executor.initialize_from_config", f"{M_KV_MANAGER}:KVCacheManager.__init__"),
+           _engine_probe, _engine_apply),
 )
 
 _applied: dict[str, Callable[[], None]] = {}
@@ -551,16 +815,25 @@ def _cond_lmcache() -> Condition:
 
 def detect() -> VllmReport:
     """Inspect the installed vLLM: its leak conditions and each patch's status. Imports vLLM; never raises."""
+    import importlib.util
+
     on = enabled()
+    allowed = plugin_allowed()
+    plugins = os.environ.get(ENV_VLLM_PLUGINS)
     try:
         version = getattr(_module("vllm"), "__version__", None)
     except Exception as e:
-        return VllmReport(None, f"vLLM not importable: {type(e).__name__}: {e}", on, (), ())
+        return VllmReport(None, f"vLLM not importable: {type(e).__name__}: {e}", on, (), (), allowed, plugins)
+    try:
+        ray = importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):
+        ray = False
     conditions = (_cond_shutdown_timeout(), _cond_sigterm_reset(), _cond_lmcache())
     patches = []
     for p in PATCHES:
         ok, detail = _probe(p)
         is_applied = p.name in _applied
-        patches.append(PatchStatus(p.name, p.targets, ok or is_applied, is_applied, is_applied or (ok and on),
+        patches.append(PatchStatus(p.name, p.targets, ok or is_applied, is_applied,
+                                   is_applied or (ok and on and allowed),
                                    detail if ok or not is_applied else "applied"))
-    return VllmReport(version, None, on, conditions, tuple(patches))
+    return VllmReport(version, None, on, conditions, tuple(patches), allowed, plugins, ray)

@@ -114,3 +114,23 @@ def test_doctor_lines_from_the_vllm_integration_report() -> None:
     assert lines["vllm:shutdown_timeout_zero"].status is Status.OK
     assert "work around" in lines["vllm:shutdown_timeout_zero"].summary
     assert vllm_results({"error": "vLLM not importable"})[0].status is Status.WARN
+
+
+def test_doctor_names_ray_backed_vllm_processes() -> None:
+    """Ray is not covered: doctor warns about Ray-backed vLLM processes it finds, and notes Ray when merely installed."""
+    from types import SimpleNamespace
+
+    from kvcached.diagnostics import Status, ray_results, ray_serves
+
+    procs = [SimpleNamespace(pid=10, cmdline=("vllm", "serve", "m", "--distributed-executor-backend", "ray")),
+             SimpleNamespace(pid=11, cmdline=("ray::RayWorkerProc.initialize_worker",)),
+             SimpleNamespace(pid=12, cmdline=("vllm", "serve", "m", "--data-parallel-backend=ray")),
+             SimpleNamespace(pid=13, cmdline=("vllm", "serve", "m", "--distributed-executor-backend", "mp")),
+             SimpleNamespace(pid=14, cmdline=("ray::IDLE",)),
+             SimpleNamespace(pid=15, cmdline=())]
+    assert ray_serves(procs) == [10, 11, 12]
+    (warn,) = ray_results(True, [10, 11])
+    assert warn.status is Status.WARN and "PID 10, 11" in warn.summary and "not covered" in warn.summary
+    (note,) = ray_results(True, [])
+    assert note.status is Status.SKIP and "not covered" in note.summary
+    assert ray_results(False, []) == []

@@ -47,12 +47,8 @@ def patched(request) -> Iterator[bool]:
 
 
 @pytest.fixture(autouse=True)
-def _restore_sigterm() -> Iterator[None]:
-    """An owner captured in this process may install its SIGTERM handler; pytest's own comes back after."""
+def _sigterm_untouched() -> Iterator[None]:
+    """No kvcached code may install a SIGTERM handler in a process that did not ask for one (issue 12)."""
     before = signal.getsignal(signal.SIGTERM)
     yield
-    from kvcached.integration import engine_owner as owner
-
-    signal.signal(signal.SIGTERM, before)
-    owner._sigterm_installed = False
-    owner._sigterm_owners.clear()
+    assert signal.getsignal(signal.SIGTERM) is before, "kvcached changed this process's SIGTERM disposition"

@@ -13,9 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
-import textwrap
 import time
 import weakref
 from types import SimpleNamespace
@@ -27,7 +24,6 @@ pytest.importorskip("vllm", reason="vLLM 0.33 is not installed here (run scripts
 pytestmark = pytest.mark.vllm
 
 import zmq  # noqa: E402  (a vLLM dependency)
-from vllm.config import CacheConfig, ParallelConfig  # noqa: E402
 from vllm.v1.engine import utils as vutils  # noqa: E402
 from vllm.v1.engine.core import EngineCoreProc  # noqa: E402
 from vllm.v1.engine.core_client import BackgroundResources, MPClient  # noqa: E402
@@ -39,34 +35,40 @@ from kvcached.ipc.listener import WorkerListener  # noqa: E402
 from kvcached.layout import Layout  # noqa: E402
 
 from . import standins  # noqa: E402
+from .serves import gone  # noqa: E402
 from .standins import Spec, dead_node, read_pid, wait_for  # noqa: E402
+from .vllm_fakes import ServeConfig  # noqa: E402
 
 both = pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"], indirect=True)
 
 
 class Serve:
-    """One stand-in serve: a real CoreEngineProcManager whose engine answered READY."""
+    """One stand-in serve: a real CoreEngineProcManager whose engine answered READY.
+
+    With a handshake, the engines start as the API server and the supervisor of
+    `--api-server-count > 1` start them: through vLLM's `launch_core_engines`,
+    which creates the manager and, on leaving its `with`, waits for READY in
+    `wait_for_engine_startup` (the owner captures there). Without one, as
+    `run_headless` does: a bare `CoreEngineProcManager(local_client=False)`.
+    """
 
     def __init__(self, spec: Spec, *, handshake: bool = True, local_client: bool = True,
                  parallel: Any = None) -> None:
         self.spec = spec
         standins.SPEC = spec
-        cfg = SimpleNamespace(shutdown_timeout=0,
-                              parallel_config=parallel if parallel is not None else
-                              ParallelConfig(tensor_parallel_size=spec.tp, pipeline_parallel_size=spec.pp))
+        cfg = ServeConfig(tp=spec.tp, pp=spec.pp)
+        if parallel is not None:
+            cfg.parallel_config = parallel
         self.ctx = zmq.Context()
-        address = f"ipc://{spec.root}/handshake"
-        self.handshake = self.ctx.socket(zmq.ROUTER)
-        self.handshake.bind(address)
-        self.manager = vutils.CoreEngineProcManager(
-            local_engine_count=1, start_index=0, local_start_index=0, vllm_config=cfg,
-            local_client=local_client, handshake_address=address if handshake else "",
-            executor_class=MultiprocExecutor, log_stats=False)
-        if handshake:
-            launch = vutils.CoreEngineLaunch(self.manager, None, vutils.EngineZmqAddresses(["ipc://in"], ["ipc://out"]),
-                                             None)
-            vutils.wait_for_engine_startup(self.handshake, [vutils.CoreEngine(0, True)], cfg.parallel_config, False,
-                                           CacheConfig(), launch)
+        if handshake and local_client:
+            # MPClient binds these; the stand-in engine never connects to them.
+            addresses = vutils.EngineZmqAddresses([f"ipc://{spec.root}/in"], [f"ipc://{spec.root}/out"])
+            with vutils.launch_core_engines(cfg, MultiprocExecutor, False, addresses) as launch:
+                self.manager = launch.engine_manager
+        else:
+            self.manager = vutils.CoreEngineProcManager(
+                local_engine_count=1, start_index=0, local_start_index=0, vllm_config=cfg,
+                local_client=local_client, handshake_address="", executor_class=MultiprocExecutor, log_stats=False)
         with open(spec.pid_file("ready"), "w"):
             pass
         self.engine = read_pid(spec, "engine")
@@ -86,7 +88,6 @@ class Serve:
             _kill(pid, signal.SIGTERM)
 
     def close(self) -> None:
-        self.handshake.close(linger=0)
         self.ctx.term()
 
 
@@ -95,22 +96,6 @@ def _kill(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
-
-
-def _gone(pid: int) -> bool:
-    """Dead with every thread: a zombie leader's other threads may still hold its fds (and sockets)."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return True
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                    return False
-        except OSError:
-            continue
-    return True
 
 
 @pytest.fixture
@@ -157,7 +142,7 @@ def test_group_sigterm_leaves_nothing(serve, layout, vllm_env, patched, owner) -
         s.client().shutdown(timeout=0)
     else:
         s.manager.shutdown(timeout=0)  # run_multi_api_server / run_headless call this
-    assert wait_for(lambda: _gone(s.engine))
+    assert wait_for(lambda: gone(s.engine))
     state = _state(layout, vllm_env, 2, 2)
     if patched:
         assert not any(state.values()), state
@@ -172,7 +157,7 @@ def test_delayed_and_stopped_workers_keep_sockets_until_exit(serve, layout, vllm
     slow, stopped = s.workers[(0, 1)], s.workers[(0, 2)]
     _kill(stopped, signal.SIGSTOP)
     s.client().shutdown(timeout=0)
-    assert wait_for(lambda: _gone(s.engine))
+    assert wait_for(lambda: gone(s.engine))
     state = _state(layout, vllm_env, 3)
     assert state["pp0/w1"] and state["pp0/w2"] and state["dir"], state
     assert state["pp0/w0"] is (not patched) and state["segment"] is (not patched), state
@@ -180,7 +165,7 @@ def test_delayed_and_stopped_workers_keep_sockets_until_exit(serve, layout, vllm
     assert _state(layout, vllm_env, 3)["pp0/w2"]
     _kill(slow, signal.SIGKILL)
     _kill(stopped, signal.SIGKILL)
-    assert wait_for(lambda: _gone(slow) and _gone(stopped))
+    assert wait_for(lambda: gone(slow) and gone(stopped))
     if patched:
         assert wait_for(lambda: not any(_state(layout, vllm_env, 3).values()), timeout=10), _state(layout, vllm_env, 3)
     else:
@@ -196,7 +181,7 @@ def test_retry_on_repeated_shutdown(serve, layout, vllm_env, patched, monkeypatc
     client.shutdown(timeout=0)
     assert _state(layout, vllm_env, 2)["pp0/w1"]
     _kill(s.workers[(0, 1)], signal.SIGKILL)
-    assert wait_for(lambda: _gone(s.workers[(0, 1)]))
+    assert wait_for(lambda: gone(s.workers[(0, 1)]))
     s.manager.shutdown(timeout=0)  # e.g. BackgroundResources, or the supervisor's finally
     assert not any(_state(layout, vllm_env, 2).values()), getattr(s.manager, OWNER_ATTR).results
 
@@ -209,7 +194,7 @@ def test_same_name_replacements_stay(serve, layout, vllm_env, patched) -> None:
     s = serve(tp=2)
     for pid in s.workers.values():
         _kill(pid, signal.SIGKILL)
-    assert wait_for(lambda: all(_gone(p) for p in s.workers.values()))
+    assert wait_for(lambda: all(gone(p) for p in s.workers.values()))
     w0, w1 = layout.socket_path(vllm_env, 0), layout.socket_path(vllm_env, 1)
     os.unlink(w0)
     dead_node(w0)
@@ -223,7 +208,7 @@ def test_same_name_replacements_stay(serve, layout, vllm_env, patched) -> None:
         f.write(bytes(24))
     try:
         s.client().shutdown(timeout=0)
-        assert wait_for(lambda: _gone(s.engine))
+        assert wait_for(lambda: gone(s.engine))
         assert all(_state(layout, vllm_env, 2).values()), _state(layout, vllm_env, 2)
     finally:
         live.close()
@@ -238,7 +223,7 @@ def test_unconfirmed_engine_exit_keeps_everything(serve, layout, vllm_env, patch
     s.manager._finalizer.detach()  # vLLM's own shutdown already ran (or failed) and left the engine alive
     s.client().shutdown(timeout=0)
     time.sleep(0.5)
-    assert not _gone(s.engine)
+    assert not gone(s.engine)
     assert all(_state(layout, vllm_env, 2).values()), _state(layout, vllm_env, 2)
     _kill(s.engine, signal.SIGKILL)
     assert wait_for(lambda: not any(_state(layout, vllm_env, 2).values()), timeout=10), _state(layout, vllm_env, 2)
@@ -250,7 +235,7 @@ def test_nodes_absent_at_ready_are_never_claimed(serve, layout, vllm_env, patche
     s = serve(tp=2, late=((0, 1),))
     s.group_sigterm()
     s.client().shutdown(timeout=0)
-    assert wait_for(lambda: _gone(s.engine))
+    assert wait_for(lambda: gone(s.engine))
     state = _state(layout, vllm_env, 2)
     assert state["pp0/w1"] and state["dir"], state
     assert state["pp0/w0"] is (not patched) and state["segment"] is (not patched), state
@@ -276,7 +261,7 @@ def test_owner_without_parallel_config_touches_nothing(serve, layout, vllm_env, 
     assert OWNER_ATTR not in s.manager.__dict__
     s.group_sigterm()
     s.manager.shutdown(timeout=0)
-    assert wait_for(lambda: _gone(s.engine))
+    assert wait_for(lambda: gone(s.engine))
     assert all(_state(layout, vllm_env, 2).values())
 
 
@@ -297,68 +282,3 @@ def test_repeated_shutdowns_keep_a_successors_directory(serve, layout, vllm_env,
         assert os.path.exists(successor.path)
     finally:
         successor.stop()
-
-
-# The owner's own SIGTERM -------------------------------------------------------------
-
-_OWNER_SCRIPT = textwrap.dedent("""
-    import os, signal, sys, time
-    from types import SimpleNamespace
-    sys.path.insert(0, {repo!r})
-    from tests.integration import standins
-    from tests.integration.standins import Spec, read_pid
-    from vllm.config import CacheConfig, ParallelConfig
-    from vllm.v1.engine import utils as vutils
-    from vllm.v1.engine.core import EngineCoreProc
-    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-    import zmq
-    if {patched!r}:
-        from kvcached.integration import vllm_plugin
-        vllm_plugin.register()
-    EngineCoreProc.run_engine_core = staticmethod(standins.engine_main)
-    spec = standins.SPEC = Spec({root!r}, {name!r}, tp=2, engine_term="exit")
-    cfg = SimpleNamespace(shutdown_timeout=0, parallel_config=ParallelConfig(tensor_parallel_size=2))
-    ctx = zmq.Context()
-    hs = ctx.socket(zmq.ROUTER)
-    hs.bind("ipc://" + spec.root + "/handshake")
-    m = vutils.CoreEngineProcManager(local_engine_count=1, start_index=0, local_start_index=0, vllm_config=cfg,
-                                     local_client=True, handshake_address="ipc://" + spec.root + "/handshake",
-                                     executor_class=MultiprocExecutor, log_stats=False)
-    launch = vutils.CoreEngineLaunch(m, None, vutils.EngineZmqAddresses(["ipc://in"], ["ipc://out"]), None)
-    vutils.wait_for_engine_startup(hs, [vutils.CoreEngine(0, True)], cfg.parallel_config, False, CacheConfig(),
-                                   launch)
-    print("OWNER-READY", flush=True)
-    while True:
-        signal.pause()
-""")
-
-
-@both
-def test_owner_dies_by_sigterm_after_gated_cleanup(vllm_env, layout, patched, monkeypatch) -> None:
-    """An owner with the default SIGTERM disposition cleans up on the way out, then dies by SIGTERM."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    script = _OWNER_SCRIPT.format(repo=repo, patched=patched, root=layout.root, name=vllm_env)
-    env = {**os.environ, "KVCACHED_ENABLE": "1", "PYTHONPATH": repo}
-    owner = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True,
-                             start_new_session=True)
-    try:
-        assert owner.stdout is not None
-        line = owner.stdout.readline()
-        assert "OWNER-READY" in line, f"owner did not start (exit {owner.poll()})"
-        spec = Spec(layout.root, vllm_env, tp=2)
-        workers = [read_pid(spec, f"w0-{r}") for r in range(2)]
-        assert all(_state(layout, vllm_env, 2).values())
-        os.killpg(owner.pid, signal.SIGTERM)  # the whole serve: owner, engine, workers
-        assert owner.wait(30) == -signal.SIGTERM
-        assert wait_for(lambda: all(_gone(p) for p in workers))
-        state = _state(layout, vllm_env, 2)
-        if patched:
-            assert not any(state.values()), state
-        else:
-            assert all(state.values()), state
-    finally:
-        try:
-            os.killpg(owner.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        owner.wait(10)

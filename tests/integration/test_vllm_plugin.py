@@ -6,13 +6,14 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from importlib import metadata
 
 import pytest
 
-from kvcached.integration import enabled
+from kvcached.integration import enabled, plugin_allowed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,10 +31,22 @@ def test_switch(env: dict[str, str], on: bool) -> None:
     assert enabled(env) is on
 
 
+@pytest.mark.parametrize("env, allowed", [
+    ({}, True),
+    ({"VLLM_PLUGINS": "kvcached"}, True),
+    ({"VLLM_PLUGINS": "lora_resolver,kvcached"}, True),
+    ({"VLLM_PLUGINS": "lora_resolver"}, False),
+    ({"VLLM_PLUGINS": ""}, False),  # vLLM parses "" as [""]: an allow-list naming no plugin
+    ({"VLLM_PLUGINS": "lora_resolver, kvcached"}, False),  # vLLM compares names exactly: " kvcached" is not ours
+])
+def test_vllm_plugins_allow_list(env: dict[str, str], allowed: bool) -> None:
+    assert plugin_allowed(env) is allowed
+
+
 def test_importing_the_integration_imports_no_vllm() -> None:
     """kvctl imports the integration to call detect(): only the call may import vLLM."""
     code = ("import sys, kvcached.integration.vllm_patches, kvcached.integration.vllm_plugin, "
-            "kvcached.integration.engine_owner\n"
+            "kvcached.integration.engine_owner, kvcached.integration.engine_state, kvcached.integration.limits\n"
             "bad = [m for m in ('vllm', 'torch') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
@@ -51,6 +64,8 @@ def test_entry_point_is_declared() -> None:
 
 
 # With vLLM ------------------------------------------------------------------------------
+
+ALL_PATCHES = ("lmcache-shutdown", "owner-cleanup", "worker-listener", "engine-state")
 
 _skip_without_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
@@ -70,8 +85,10 @@ def clean_patches(monkeypatch):
     monkeypatch.setattr(vllm_plugin, "_done", False)
     monkeypatch.delenv("ENABLE_KVCACHED", raising=False)
     monkeypatch.delenv("KVCACHED_ENABLE", raising=False)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     yield vllm_patches
     vllm_patches.revert()
+    vllm_plugin.unroute_logs()
 
 
 @needs_vllm
@@ -93,7 +110,7 @@ def test_vllm_loads_the_plugin_once_per_process(clean_patches, monkeypatch) -> N
     monkeypatch.setenv("ENABLE_KVCACHED", "true")
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     vllm.plugins.load_general_plugins()
-    assert clean_patches.applied() == ("lmcache-shutdown", "owner-cleanup", "worker-listener")
+    assert clean_patches.applied() == ALL_PATCHES
     wrapper = vutils.CoreEngineProcManager.shutdown
     from kvcached.integration import vllm_plugin
 
@@ -107,6 +124,7 @@ def test_vllm_loads_the_plugin_once_per_process(clean_patches, monkeypatch) -> N
 
 @needs_vllm
 def test_plugin_never_raises_into_vllm(clean_patches, monkeypatch, caplog) -> None:
+    """The failure is logged, through vLLM's handlers (where vLLM's own lines go), and vLLM goes on."""
     from kvcached.integration import vllm_plugin
 
     def boom(*_a, **_k):
@@ -114,9 +132,63 @@ def test_plugin_never_raises_into_vllm(clean_patches, monkeypatch, caplog) -> No
 
     monkeypatch.setenv("KVCACHED_ENABLE", "1")
     monkeypatch.setattr(clean_patches, "apply", boom)
-    with caplog.at_level(logging.ERROR, logger="kvcached.integration.vllm"):
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(caplog.handler)
+    try:
         vllm_plugin.register()
+    finally:
+        vllm_logger.removeHandler(caplog.handler)
     assert "patching exploded" in caplog.text
+
+
+def _in_fork(fn, out_path: str) -> int:
+    """Run `fn` in a forked child (vLLM already imported) with its stdout and stderr in `out_path`; its exit status."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            sys.stdout = os.fdopen(1, "w", buffering=1)
+            sys.stderr = os.fdopen(2, "w", buffering=1)
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@needs_vllm
+def test_kvcached_logs_appear_in_vllms_stream_and_format(clean_patches, tmp_path, monkeypatch) -> None:
+    """vLLM configures only the `vllm` logger (propagate False): without routing, kvcached's INFO lines vanish."""
+
+    def child() -> None:
+        from vllm.config.logging import LoggingConfig
+        from vllm.logger import configure_logging
+
+        from kvcached.integration import vllm_plugin
+
+        logging.getLogger("kvcached.owner").info("before routing")
+        vllm_plugin.route_logs_to_vllm()  # the plugin may load before vLLM configures logging
+        configure_logging(LoggingConfig())  # what vLLM does in every process it starts
+        logging.getLogger("kvcached.owner").info("owner removed /dev/shm/x")
+        logging.getLogger("kvcached.owner").debug("not at vLLM level")
+        logging.getLogger("vllm.test").info("a vllm line")
+
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    monkeypatch.setenv("NO_COLOR", "1")
+    out_path = str(tmp_path / "out")
+    status = _in_fork(child, out_path)
+    out = open(out_path).read()
+    assert status == 0, out
+    ours = [ln for ln in out.splitlines() if "owner removed /dev/shm/x" in ln]
+    theirs = [ln for ln in out.splitlines() if "a vllm line" in ln]
+    assert len(ours) == 1 and len(theirs) == 1, out
+    # vLLM's format: "(<process> pid=<pid>) INFO <date> <time> [<file>:<line>] <message>", for both.
+    vllm_format = re.compile(r"^\(\S+ pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[test_vllm_plugin.py:\d+\] ")
+    assert vllm_format.match(ours[0]) and vllm_format.match(theirs[0]), out
+    assert "before routing" not in out and "not at vLLM level" not in out
 
 
 @needs_vllm
@@ -130,7 +202,8 @@ def test_unknown_shape_disables_only_that_patch_with_one_warning(clean_patches, 
     with caplog.at_level(logging.WARNING, logger="kvcached.integration.vllm"):
         first = clean_patches.apply()
         second = clean_patches.apply()
-    assert first == second == {"lmcache-shutdown": True, "owner-cleanup": True, "worker-listener": False}
+    assert first == second == {"lmcache-shutdown": True, "owner-cleanup": True, "worker-listener": False,
+                               "engine-state": True}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "worker-listener" in warnings[0] and "WorkerProc.shutdown" in warnings[0]
     assert WorkerProc.shutdown is shutdown
@@ -167,8 +240,26 @@ def test_doctor_probe_reads_the_report() -> None:
     data = json.loads(line[len(diagnostics._DETECT_MARK):])
     assert set(data["conditions"]) == {"shutdown-timeout-zero", "sigterm-reset-before-teardown",
                                        "lmcache-no-shutdown-forwarding"}
-    assert {k for k, v in data["patches"].items() if v["active"]} == {"lmcache-shutdown", "owner-cleanup",
-                                                                      "worker-listener"}
+    assert {k for k, v in data["patches"].items() if v["active"]} == set(ALL_PATCHES)
+    assert data["plugin_allowed"] is True
+
+
+@needs_vllm
+def test_vllm_plugins_excluding_kvcached_makes_every_patch_inactive(clean_patches, monkeypatch) -> None:
+    """vLLM skips a plugin VLLM_PLUGINS does not list: detect() and doctor say inactive, with the fix."""
+    from kvcached.diagnostics import vllm_results
+
+    monkeypatch.setenv("ENABLE_KVCACHED", "true")
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver")
+    d = clean_patches.detect().to_dict()
+    assert d["plugin_allowed"] is False and d["vllm_plugins"] == "lora_resolver"
+    assert not any(p["active"] for p in d["patches"].values())
+    results = {r.name: r for r in vllm_results(d)}
+    assert "inactive" in results["vllm"].summary and results["vllm"].status == "warn"
+    assert results["vllm-plugins"].fix.startswith("export VLLM_PLUGINS=lora_resolver,kvcached")
+    assert all("inactive" in results[f"vllm-patch:{n}"].summary for n in ALL_PATCHES)
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver,kvcached")
+    assert all(p["active"] for p in clean_patches.detect().to_dict()["patches"].values())
 
 
 def test_detect_without_vllm_reports_why(monkeypatch) -> None:

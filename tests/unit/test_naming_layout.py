@@ -79,3 +79,22 @@ def test_trailing_newlines_are_not_ours() -> None:
     assert naming.parse_socket_name("w0.sock\n") is None
     assert naming.parse_stage_name("pp1\n") is None
     assert naming.default_name_pgid("kvcached_vLLM_12\n") is None
+
+
+def test_dp_rank_names() -> None:
+    """Each DP rank of a serve is its own deployment: `<serve>_dp<rank>`, never longer than 64, never shared."""
+    assert naming.dp_rank_name("kvcached_vLLM_4242", 1) == "kvcached_vLLM_4242_dp1"
+    assert naming.split_dp_rank("kvcached_vLLM_4242_dp1") == ("kvcached_vLLM_4242", 1)
+    assert naming.split_dp_rank("prod_dp12") == ("prod", 12)
+    assert naming.split_dp_rank("prod") == ("prod", None)
+    assert naming.split_dp_rank("_dp1") == ("_dp1", None)  # a name that is all suffix belongs to no serve
+    long = "x" * 64
+    ranks = [naming.dp_rank_name(long, r) for r in (0, 1, 10)]
+    assert all(len(n) <= naming.MAX_NAME and naming.is_valid_name(n) for n in ranks)
+    assert len(set(ranks)) == 3 and ranks[1].endswith("_dp1")
+    # A default name with a DP suffix is still recognisably ours and keeps its PGID.
+    assert naming.default_name_pgid("kvcached_vLLM_4242_dp3") == 4242
+    assert Layout("/r").classify("/r/dev/shm/kvcached_vLLM_4242_dp3") == PathRef(PathKind.SEGMENT,
+                                                                                  "kvcached_vLLM_4242_dp3")
+    with pytest.raises(ValueError):
+        naming.dp_rank_name("n", -1)

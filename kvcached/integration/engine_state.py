@@ -1,0 +1,242 @@
+"""What one engine process holds of its deployment, independent of vLLM's classes.
+
+The engine (vLLM's EngineCore, in its own process or, with
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`, inside the caller) claims the deployment's
+limit segment once its executor is up (LAYOUT.md §2: the engine creates it,
+never a worker), holds the segment's lease for its life (DESIGN.md §4),
+publishes the KV cache memory it holds as used/prealloc, and at TP=1 serves
+`w0.sock` itself, since the model runs in this process (upstream does the
+same). Its executor's shutdown gives everything back: the socket first, then
+the lease, then the segment if nobody else holds a lease on it.
+
+`claimed_segment()` is the API the runtime's block pool uses to find the
+segment and limit this process claimed. Nothing here raises into the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..layout import Layout
+from ..lease import SegmentLease
+from ..naming import dp_rank_name, ipc_name_from_env
+from ..owner import SegmentCleanup
+from ..segment import SegmentInfo, write_segment
+from .limits import Limit
+
+log = logging.getLogger("kvcached.integration.engine")
+
+# Set by the engine owner (the patched CoreEngineProcManager) for the engines of
+# a serve with data parallel size > 1: vLLM resets a non-MoE DP rank's config to
+# DP = 1 before its executor starts, so the config alone cannot tell rank 0 of
+# a DP serve from a serve without DP.
+ENV_DP = "KVCACHED_DP_SERVE"
+# How often (seconds) the engine re-reads vLLM's KV cache usage and publishes used/prealloc.
+ENV_PUBLISH_INTERVAL = "KVCACHED_PUBLISH_INTERVAL_S"
+# Upstream readers hold the segment's flock for microseconds; retry that long.
+_REMOVE_TRIES = 20
+
+
+def engine_name(parallel_config: Any, environ: Mapping[str, str] | None = None) -> str:
+    """The IPC name of this engine and its workers: the serve's name, plus `_dp<rank>` in a DP serve."""
+    env = os.environ if environ is None else environ
+    base = ipc_name_from_env(env)
+    size = getattr(parallel_config, "data_parallel_size", 1)
+    index = getattr(parallel_config, "data_parallel_index", None)
+    if not isinstance(index, int):
+        index = getattr(parallel_config, "data_parallel_rank", 0)
+    size = size if isinstance(size, int) else 1
+    index = index if isinstance(index, int) else 0
+    if env.get(ENV_DP) == "1" or size > 1 or index > 0:
+        return dp_rank_name(base, index)
+    return base
+
+
+@dataclass(frozen=True)
+class ClaimedSegment:
+    """The segment this engine claimed: where it is, the limit it started with, and the lease it holds."""
+
+    name: str
+    path: str
+    limit: int
+    how: str  # created / joined / replaced (kvcached.startup.claim_segment)
+    lease: SegmentLease
+
+
+class EngineState:
+    """One engine's claimed segment, its TP=1 socket, and its usage publisher."""
+
+    def __init__(self, layout: Layout, name: str) -> None:
+        self.layout = layout
+        self.name = name
+        self.segment: ClaimedSegment | None = None
+        self.listener: Any = None
+        self.kv_bytes = 0
+        self._pin: SegmentCleanup | None = None
+        self._usage: Callable[[], float] | None = None
+        self._published: tuple[int, int] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.released = False
+
+    def claim(self, limit: Limit) -> ClaimedSegment | None:
+        """Create, join or replace the segment with `limit`, and hold its lease. Never raises."""
+        from ..startup import claim_segment
+
+        try:
+            lease, info, how = claim_segment(self.layout, self.name, limit.total)
+        except Exception as e:
+            log.warning("kvcached: engine %s claimed no segment: %s", self.name, e)
+            return None
+        # Pinned by inode now: at release only this very file may be removed.
+        pin = SegmentCleanup(self.layout, self.name)
+        pin.capture()
+        with self._lock:
+            self._pin = pin
+            self.segment = ClaimedSegment(self.name, lease.path, info.total, how, lease)
+        log.info("kvcached: engine %s %s segment %s, limit %d bytes (%s)", self.name, how, lease.path,
+                 info.total, limit.source if how != "joined" else "the live segment's own")
+        return self.segment
+
+    def serve(self, rank: int = 0, stage: int = 0) -> Any:
+        """Serve `[pp<stage>/]w<rank>.sock` from this process (TP = 1: the model runs here). Never raises."""
+        from ..ipc.listener import WorkerListener
+
+        listener = WorkerListener(self.layout, self.name, rank, stage)
+        try:
+            listener.start()
+        except Exception as e:
+            log.warning("kvcached: engine %s serves no worker socket: %s", self.name, e)
+            return None
+        self.listener = listener
+        log.info("kvcached: engine %s serves %s", self.name, listener.path)
+        return listener
+
+    def track_kv_cache(self, kv_bytes: int) -> None:
+        """vLLM allocated `kv_bytes` of KV cache per rank: publish it as prealloc (nothing used yet)."""
+        self.kv_bytes = max(0, kv_bytes)
+        seg = self.segment
+        if seg is not None and self.kv_bytes > seg.limit:
+            log.warning("kvcached: vLLM allocated %d bytes of KV cache per rank for %s, over its kvcached limit of "
+                        "%d bytes", self.kv_bytes, self.name, seg.limit)
+        self.publish(0, self.kv_bytes)
+
+    def follow_usage(self, usage: Callable[[], float]) -> None:
+        """Publish used/prealloc from `usage` (vLLM's KV cache usage, 0..1) every few seconds, for the engine's life."""
+        with self._lock:
+            self._usage = usage
+            if self._thread is not None or self.released:
+                return
+            self._thread = threading.Thread(target=self._follow, name="kvcached-usage", daemon=True)
+            self._thread.start()
+
+    def _follow(self) -> None:
+        try:
+            interval = max(0.01, float(os.environ.get(ENV_PUBLISH_INTERVAL, "1.0")))
+        except ValueError:
+            interval = 1.0
+        while not self._stop.wait(interval):
+            self.publish_usage()
+
+    def publish_usage(self) -> None:
+        """Publish the KV cache split by vLLM's current usage. Never raises."""
+        usage = self._usage
+        if usage is None:
+            return
+        try:
+            share = min(1.0, max(0.0, float(usage())))
+        except Exception as e:  # the KV cache manager went away with its engine
+            log.debug("kvcached: KV cache usage unreadable: %s", e)
+            return
+        used = int(self.kv_bytes * share)
+        self.publish(used, self.kv_bytes - used)
+
+    def publish(self, used: int, prealloc: int) -> None:
+        """Write used/prealloc to the claimed segment when they changed. Never raises."""
+        seg = self.segment
+        if seg is None or self.released or self._published == (used, prealloc):
+            return
+        try:
+            write_segment(seg.path, used=used, prealloc=prealloc)
+            self._published = (used, prealloc)
+        except Exception as e:
+            log.warning("kvcached: cannot publish usage to %s: %s", seg.path, e)
+
+    def values(self) -> SegmentInfo | None:
+        """What the segment holds now (None without one)."""
+        from ..segment import read_segment
+
+        seg = self.segment
+        return None if seg is None else read_segment(seg.path)
+
+    def release(self) -> None:
+        """Stop serving, drop the lease, remove the segment if no one else holds a lease on it. Idempotent; never raises."""
+        with self._lock:
+            if self.released:
+                return
+            self.released = True
+        self._stop.set()
+        self.stop_serving()
+        seg, pin = self.segment, self._pin
+        if seg is None or pin is None:
+            return
+        try:
+            seg.lease.release()
+            for _ in range(_REMOVE_TRIES):
+                result = pin.cleanup()
+                if result.complete:
+                    break
+                time.sleep(0.005)  # an upstream reader's flock: held for microseconds
+            for path in result.removed:
+                log.info("kvcached: engine %s removed %s", self.name, path)
+            for path, why in result.kept:
+                log.info("kvcached: engine %s kept %s (%s)", self.name, path, why)
+        except Exception as e:
+            log.warning("kvcached: engine %s could not give back its segment: %s", self.name, e)
+        finally:
+            _forget(self)
+
+    def stop_serving(self) -> None:
+        """Stop the TP=1 socket (its node unlinked, empty directories removed). Never raises."""
+        listener, self.listener = self.listener, None
+        if listener is None:
+            return
+        try:
+            listener.stop()
+        except Exception as e:
+            log.warning("kvcached: engine %s could not stop its worker socket: %s", self.name, e)
+
+
+_engines: list[EngineState] = []
+_engines_lock = threading.Lock()
+
+
+def register(state: EngineState) -> None:
+    """Record `state` as an engine of this process (several in-process engines may come and go)."""
+    with _engines_lock:
+        _engines.append(state)
+
+
+def _forget(state: EngineState) -> None:
+    with _engines_lock:
+        if state in _engines:
+            _engines.remove(state)
+
+
+def current_engine() -> EngineState | None:
+    """The engine of this process started last and not yet shut down, if any."""
+    with _engines_lock:
+        return _engines[-1] if _engines else None
+
+
+def claimed_segment() -> ClaimedSegment | None:
+    """The segment this process's engine claimed (path, limit, lease), or None: what the block pool maps under."""
+    engine = current_engine()
+    return None if engine is None else engine.segment

@@ -1,0 +1,49 @@
+"""The limit an engine claims its segment with: `KVCACHED_LIMIT`, or a share of the device's memory.
+
+- `KVCACHED_LIMIT=40G` (any size `kvctl limit` takes: `512M`, `1.5GiB`, bytes),
+- `KVCACHED_LIMIT=80%`: that share of one device's total memory,
+- unset: vLLM's own share, `--gpu-memory-utilization` (default 0.9), of one
+  device's total memory: the most this engine may take on its GPU.
+
+No vLLM or torch import here: the caller passes the device's memory in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from ..units import BadValue, format_size, parse_percent, parse_size
+
+ENV_LIMIT = "KVCACHED_LIMIT"
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A limit in bytes and where it came from (for the log line an operator reads)."""
+
+    total: int
+    source: str
+
+
+def resolve_limit(device_total: Callable[[], int | None], utilization: float,
+                  environ: Mapping[str, str] | None = None) -> Limit:
+    """The limit this engine claims with; raises BadValue for an unreadable `KVCACHED_LIMIT`.
+
+    `device_total` is called only when a share of device memory is wanted, and
+    may return None when the memory is unknown (then a share cannot be used).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_LIMIT, "").strip()
+    if raw and not raw.endswith("%"):
+        return Limit(parse_size(raw), f"{ENV_LIMIT}={raw}")
+    share = parse_percent(raw) / 100 if raw else utilization
+    if not 0 < share <= 1:
+        raise BadValue(f"gpu_memory_utilization {utilization!r} is not a share in (0, 1]")
+    total = device_total()
+    if total is None or total <= 0:
+        raise BadValue(f"cannot take {share:.0%} of device memory: the device's memory is unknown; "
+                       f"set {ENV_LIMIT} to a size, e.g. {ENV_LIMIT}=40G")
+    why = f"{ENV_LIMIT}={raw}" if raw else "gpu_memory_utilization"
+    return Limit(int(total * share), f"{share:.0%} of {format_size(total)} device memory ({why})")

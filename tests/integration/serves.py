@@ -1,0 +1,211 @@
+"""Whole vLLM 0.33 serves, each in its own session, built from vLLM's own classes (see vllm_fakes).
+
+A serve is a child forked from the test process (vLLM is imported once, so a
+serve starts in about a second), made a session leader, so the test can send
+the process-group SIGTERM a real serve gets. Inside it, vLLM's plugin loader
+(`load_general_plugins`, through the installed entry point) loads kvcached,
+or not: the unpatched case is vLLM as installed.
+
+Owners, as vLLM has them:
+
+- `api`: the API server. Its SIGTERM handler ends in the engine client's
+  shutdown with `--shutdown-timeout 0` (`MPClient.shutdown(timeout=0)`).
+- `offline`: an offline `LLM` script with the multiprocess engine
+  (`SyncMPClient`): no SIGTERM handler of its own.
+- `inproc`: an offline `LLM` with `VLLM_ENABLE_V1_MULTIPROCESSING=0`
+  (`InprocClient`): the engine runs inside the script. It stops the way a
+  script lets go of its `LLM`: the client is dropped and vLLM's finalizer
+  shuts the engine down.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+READY_TIMEOUT = 180.0  # a spawned worker imports vLLM and torch afresh: tens of seconds on a busy machine
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What to start: the owner, TP/PP/DP, the executor backend, how workers start."""
+
+    owner: str = "api"  # api / offline / inproc
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    backend: str | None = None  # None: vLLM's choice (uni at world size 1, else mp)
+    worker_start: str | None = None  # "spawn": the engine spawns its workers
+    dp_names: bool = True  # False: kvcached's per-DP-rank names reverted (the collision of issue 12)
+
+
+@dataclass
+class Serve:
+    """A running serve: its owner (session leader), engines and workers."""
+
+    shape: Shape
+    name: str
+    proc: Any  # multiprocessing.Process of the owner
+    conn: Any
+    owner: int
+    engines: list[int]
+    workers: dict[int, list[int]]  # engine pid (or the owner, in-process) -> worker pids
+    sigterm_default: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.owner, *self.engines, *(p for ws in self.workers.values() for p in ws)]
+
+    def group_sigterm(self) -> None:
+        """What `kill -TERM -<pgid>` (systemd, docker stop, a pod's end) sends a whole serve."""
+        os.killpg(self.owner, signal.SIGTERM)
+
+    def call(self, cmd: str, *args: Any, timeout: float = 30.0) -> Any:
+        """Ask the owner to do something in the serve (e.g. call an engine utility); its reply."""
+        self.conn.send((cmd, args))
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"serve owner did not answer {cmd!r}")
+        ok, value = self.conn.recv()
+        if not ok:
+            raise RuntimeError(value)
+        return value
+
+    def wait_exit(self, timeout: float = 30.0) -> int | None:
+        """Reap the owner; its exit code (negative: the signal that ended it)."""
+        self.proc.join(timeout)
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        """SIGKILL everything of the serve that is left (teardown of a failed test)."""
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(self.owner, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.join(10)
+
+
+def gone(pid: int) -> bool:
+    """Dead with every thread: a zombie leader's other threads may still hold its fds (and sockets)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return False
+        except OSError:
+            continue
+    return True
+
+
+def _workers_of(pid: int) -> list[int]:
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for k in kids:
+        try:
+            if any("resource_tracker" in a for a in k.cmdline()):
+                continue  # multiprocessing's helper, not a vLLM worker
+        except psutil.Error:
+            continue
+        out.append(k.pid)
+    return sorted(out)
+
+
+def _owner_main(conn: Any, shape: Shape, root: str, name: str, patched: bool, env: dict[str, str]) -> None:
+    os.setsid()  # a serve is a process group of its own: the API server leads it
+    os.environ.update(env, KVCACHED_ROOT=root, KVCACHED_IPC_NAME=name)
+    for var in ("ENABLE_KVCACHED", "KVCACHED_ENABLE"):
+        os.environ.pop(var, None)
+    if patched:
+        os.environ["KVCACHED_ENABLE"] = "1"
+    import vllm.plugins
+    from vllm.v1.engine.core_client import InprocClient, SyncMPClient
+    from vllm.v1.executor.abstract import Executor
+
+    from kvcached import naming
+    from kvcached.integration import engine_state, vllm_patches, vllm_plugin
+
+    from . import vllm_fakes
+
+    # Whatever the test process had applied: this serve loads kvcached as vLLM
+    # does, through its plugin loader and the installed entry point.
+    vllm_patches.revert()
+    vllm_plugin._done = False
+    vllm.plugins.plugins_loaded = False
+    vllm.plugins.load_general_plugins()
+    if not shape.dp_names:
+        naming.dp_rank_name = engine_state.dp_rank_name = lambda base, rank: base  # type: ignore[assignment]
+    vllm_fakes.install_engine()
+    cfg = vllm_fakes.ServeConfig(tp=shape.tp, pp=shape.pp, dp=shape.dp, backend=shape.backend,
+                                 worker_start=shape.worker_start)
+    executor = Executor.get_class(cfg)
+    client: Any
+    if shape.owner == "inproc":
+        client = InprocClient(cfg, executor, False)
+        engines: list[int] = []
+        procs = getattr(client.engine_core.model_executor, "workers", None) or []
+        workers = {os.getpid(): sorted(w.proc.pid for w in procs)}
+    else:
+        client = SyncMPClient(cfg, executor, False)
+        engines = [p.pid for p in client.resources.engine_manager.processes]
+        workers = {e: _workers_of(e) for e in engines}
+    sigterm_default = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    if shape.owner == "api":
+        def on_term(_signum: int, _frame: Any) -> None:
+            raise SystemExit(0)  # the API server's SIGTERM: the server stops, then its engine client
+
+        signal.signal(signal.SIGTERM, on_term)
+    conn.send({"owner": os.getpid(), "engines": engines, "workers": workers, "sigterm_default": sigterm_default})
+    try:
+        while True:
+            cmd, args = conn.recv()
+            if cmd == "stop":
+                break
+            try:
+                conn.send((True, client.call_utility(cmd, *args) if shape.owner != "inproc"
+                           else getattr(client.engine_core, cmd)(*args)))
+            except Exception as e:
+                conn.send((False, f"{type(e).__name__}: {e}"))
+    finally:
+        if shape.owner == "api":
+            client.shutdown(timeout=0)  # --shutdown-timeout 0, vLLM's default
+    # What ends an offline script: its LLM goes away, vLLM's finalizer shuts the engine down.
+    del client
+    gc.collect()
+    conn.send((True, "stopped"))
+
+
+def start(shape: Shape, root: str, name: str, patched: bool, env: dict[str, str] | None = None) -> Serve:
+    """Start a serve of `shape` under node root `root`; return once its engines answered READY."""
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_owner_main, args=(child, shape, root, name, patched, dict(env or {})), daemon=False)
+    proc.start()
+    child.close()
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not parent.poll(0.2):
+        if not proc.is_alive() or time.monotonic() > deadline:
+            proc.kill()
+            proc.join(10)
+            raise RuntimeError(f"serve {shape} did not start (owner exit {proc.exitcode})")
+    info = parent.recv()
+    return Serve(shape, name, proc, parent, info["owner"], info["engines"],
+                 {int(k): v for k, v in info["workers"].items()}, info["sigterm_default"])

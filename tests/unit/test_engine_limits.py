@@ -1,0 +1,62 @@
+"""The limit an engine claims with, and the name it claims under (no vLLM needed: plain values)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvcached.integration.engine_state import ENV_DP, engine_name
+from kvcached.integration.limits import ENV_LIMIT, resolve_limit
+from kvcached.units import BadValue
+
+GPU = 80 << 30
+
+
+def device(total: int | None = GPU):
+    calls = []
+
+    def read() -> int | None:
+        calls.append(1)
+        return total
+
+    read.calls = calls  # type: ignore[attr-defined]
+    return read
+
+
+@pytest.mark.parametrize("raw, want", [("40G", 40 << 30), ("512M", 512 << 20), ("1073741824", 1 << 30),
+                                       ("1.5GiB", 3 << 29)])
+def test_size_needs_no_device(raw: str, want: int) -> None:
+    read = device()
+    limit = resolve_limit(read, 0.9, {ENV_LIMIT: raw})
+    assert limit.total == want and raw in limit.source
+    assert read.calls == []  # a size never touches the device
+
+
+def test_percent_and_default_share_of_device_memory() -> None:
+    assert resolve_limit(device(), 0.9, {ENV_LIMIT: "50%"}).total == GPU // 2
+    default = resolve_limit(device(), 0.9, {})
+    assert default.total == int(GPU * 0.9) and "gpu_memory_utilization" in default.source
+    assert resolve_limit(device(), 0.5, {}).total == GPU // 2
+
+
+@pytest.mark.parametrize("env, total", [({ENV_LIMIT: "lots"}, GPU), ({ENV_LIMIT: "-1G"}, GPU),
+                                        ({ENV_LIMIT: "150%"}, GPU), ({}, None), ({ENV_LIMIT: "10%"}, None)])
+def test_unusable_limits_say_why(env: dict[str, str], total: int | None) -> None:
+    with pytest.raises(BadValue):
+        resolve_limit(device(total), 0.9, env)
+
+
+def _parallel(size: int = 1, index: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(data_parallel_size=size, data_parallel_index=index, data_parallel_rank=index)
+
+
+@pytest.mark.parametrize("env, parallel, want", [
+    ({"KVCACHED_IPC_NAME": "prod"}, _parallel(), "prod"),
+    ({"KVCACHED_IPC_NAME": "prod"}, _parallel(2, 1), "prod_dp1"),  # an MoE DP rank keeps its DP size
+    ({"KVCACHED_IPC_NAME": "prod"}, _parallel(1, 3), "prod_dp3"),  # a non-MoE rank reset to DP = 1 keeps its index
+    ({"KVCACHED_IPC_NAME": "prod", ENV_DP: "1"}, _parallel(1, 0), "prod_dp0"),  # rank 0: only the owner knows
+    ({"KVCACHED_IPC_NAME": "prod"}, None, "prod"),
+])
+def test_engine_name_per_dp_rank(env: dict[str, str], parallel: object, want: str) -> None:
+    assert engine_name(parallel, env) == want
