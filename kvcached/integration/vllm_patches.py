@@ -423,6 +423,39 @@ def _worker_apply() -> Callable[[], None]:
     return undo
 
 
+# Patch: elastic KV (issue 14) ------------------------------------------------
+# The patch itself is kvcached/integration/vllm_elastic.py; only its registration is here.
+
+
+def _elastic_probe() -> tuple[Any, str]:
+    from . import vllm_elastic
+
+    if not vllm_elastic.elastic_enabled():
+        raise _NotNeeded(f"elastic KV memory is off (set {vllm_elastic.ENV_ELASTIC}=1)")
+    try:
+        return vllm_elastic.probe()
+    except vllm_elastic.ShapeError as e:
+        raise _Shape(str(e)) from None
+
+
+def _elastic_apply() -> Callable[[], None]:
+    _elastic_probe()
+    from . import vllm_elastic
+
+    return vllm_elastic.apply()
+
+
+_ELASTIC_TARGETS = (
+    "vllm.v1.executor.abstract:Executor.initialize_from_config",
+    "vllm.v1.worker.utils:allocate_kv_cache",
+    "vllm.v1.core.kv_cache_manager:KVCacheManager.__init__",
+    "vllm.v1.core.kv_cache_coordinator:BlockPool",
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+)
+# End of the elastic KV registration -------------------------------------------
+
+
 # Registry --------------------------------------------------------------------
 
 
@@ -440,6 +473,7 @@ PATCHES: tuple[_Patch, ...] = (
                              f"{M_UTILS}:wait_for_engine_startup"), _owner_probe, _owner_apply),
     _Patch("worker-listener", (f"{M_EXECUTOR}:WorkerProc.__init__", f"{M_EXECUTOR}:WorkerProc.worker_busy_loop",
                                 f"{M_EXECUTOR}:WorkerProc.shutdown"), _worker_probe, _worker_apply),
+    _Patch("elastic-kv", _ELASTIC_TARGETS, _elastic_probe, _elastic_apply),  # issue 14, vllm_elastic.py
 )
 
 _applied: dict[str, Callable[[], None]] = {}

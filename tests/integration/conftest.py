@@ -41,7 +41,8 @@ def patched(request) -> Iterator[bool]:
     vllm_patches.revert()
     if on:
         applied = vllm_patches.apply()
-        assert all(applied.values()), applied
+        # elastic-kv stays off unless KVCACHED_ELASTIC=1 (its own tests turn it on).
+        assert all(v for k, v in applied.items() if k != "elastic-kv"), applied
     yield on
     vllm_patches.revert()
 
