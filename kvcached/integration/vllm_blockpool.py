@@ -15,17 +15,25 @@ use) stays as it is; the pool adds:
   Cached blocks in the queue count as free, as in vLLM: they are evicted
   (LRU) before more memory is mapped, so a prefix cache never grows the
   mapping on its own.
-- A page whose blocks are all free, none cached and none still being read
-  (`unpin_blocks`) is released once more than `reserve` such pages exist:
-  its blocks leave the queue at once, and its memory is unmapped once every
-  batch scheduled before the release has finished (`InFlight`), because
-  with async scheduling and pipeline parallelism the workers may still be
-  running a batch that writes those blocks. Over the limit, the reserve and
-  pages holding only cached blocks go too (those blocks are evicted).
-- `begin_step` (called by the patched `Scheduler.schedule`) re-reads the
-  limit from the segment, releases what it must, and publishes ``used``
-  (pages holding an allocated or cached block) and ``prealloc`` (mapped
-  pages holding none) to it.
+- Once per scheduler step (`end_step` after ``update_from_output``,
+  `begin_step` before ``schedule``), the pages that got blocks back are
+  judged: a page whose blocks are all free, none cached and none still
+  being read (`unpin_blocks`) is released when more than `reserve` such
+  pages exist and it stayed free `release_delay` seconds, or at once when
+  the scheduler has nothing left to run (no later step would release it).
+  Judging per step, not per freed block, keeps vLLM's hot path almost as it
+  is; the delay keeps a load that swings by a few pages from unmapping and
+  mapping them again every few steps. Neither raises the peak: allocation
+  takes the free blocks of mapped pages before it maps another.
+  Its blocks leave the queue at once, and its memory is unmapped once every
+  batch scheduled before the release has finished (`InFlight`): with async
+  scheduling and pipeline parallelism the workers may still be running a
+  batch that writes those blocks (vLLM defers its own frees for the same
+  reason when a KV connector could refill them). Over the limit, the reserve
+  and pages holding only cached blocks go too (those blocks are evicted).
+- `begin_step` also re-reads the limit from the segment, and both publish
+  ``used`` (pages holding an allocated or cached block) and ``prealloc``
+  (mapped pages holding none) to it.
 
 A mapping failure (a worker died, the device is out of memory) raises
 `MapError` out of the scheduler, which ends the engine with that error; the
@@ -48,7 +56,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvcached.errors import KvcachedError, SegmentMissing
 from kvcached.runtime.kvbuffer import LinkSetup, WorkerLink
-from kvcached.segment import read_segment, write_segment
+from kvcached.segment import LimitWatch, write_segment
 
 log = logging.getLogger("kvcached.integration.vllm.blockpool")
 
@@ -103,75 +111,26 @@ class ElasticSetup:
     agreed: LinkSetup
     segment_path: str | None
     reserve_pages: int = 1
-
-
-class PageQueue(FreeKVCacheBlockQueue):
-    """vLLM's free block queue over the blocks of mapped pages, counting free blocks per page."""
-
-    def __init__(self, blocks: list[KVCacheBlock], blocks_per_page: int, nfree: list[int],
-                 sizes: list[int], empty: dict[int, None]) -> None:
-        super().__init__(blocks)
-        self.bpp = blocks_per_page
-        self.nfree = nfree  # free blocks of each page in the queue
-        self.sizes = sizes  # blocks of each page (the null block counts, so page 0 never empties)
-        self.empty = empty  # pages that became all free (checked lazily: entries may be stale)
-
-    def _left(self, blocks: Iterable[KVCacheBlock]) -> None:
-        nfree, bpp = self.nfree, self.bpp
-        for b in blocks:
-            nfree[b.block_id // bpp] -= 1
-
-    def _entered(self, blocks: Iterable[KVCacheBlock]) -> None:
-        nfree, sizes, bpp = self.nfree, self.sizes, self.bpp
-        for b in blocks:
-            p = b.block_id // bpp
-            n = nfree[p] + 1
-            nfree[p] = n
-            if n == sizes[p]:
-                self.empty[p] = None
-
-    def popleft(self) -> KVCacheBlock:
-        b = super().popleft()
-        self.nfree[b.block_id // self.bpp] -= 1
-        return b
-
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        out = super().popleft_n(n)
-        self._left(out)
-        return out
-
-    def remove(self, block: KVCacheBlock) -> None:
-        super().remove(block)
-        self.nfree[block.block_id // self.bpp] -= 1
-
-    def append(self, block: KVCacheBlock) -> None:
-        super().append(block)
-        self._entered((block,))
-
-    def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        super().append_n(blocks)
-        self._entered(blocks)
-
-    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
-        super().prepend_n(blocks)
-        self._entered(blocks)
-
-    def take_page(self, blocks: Iterable[KVCacheBlock], page: int) -> None:
-        """Take a whole free page's blocks out of the queue (it is being released)."""
-        for b in blocks:
-            FreeKVCacheBlockQueue.remove(self, b)
-        self.nfree[page] = 0
+    release_delay: float = 1.0  # seconds a page stays all free before it is released (while busy)
 
 
 class ElasticBlockPool(BlockPool):
-    """A BlockPool whose blocks live in pages mapped on demand, under the segment's limit."""
+    """A BlockPool whose blocks live in pages mapped on demand, under the segment's limit.
+
+    Like vLLM's BlockPool it is used from the scheduler's thread only, so it
+    takes no lock (only `InFlight`, which garbage collection may reach, has one).
+    """
 
     def __init__(self, *args: Any, elastic: ElasticSetup, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         agreed = elastic.agreed
         self.link = elastic.link
         self.segment_path = elastic.segment_path
+        self._limit_watch = LimitWatch(elastic.segment_path) if elastic.segment_path else None
         self.reserve = max(0, elastic.reserve_pages)
+        self.release_delay = max(0.0, elastic.release_delay)
+        self.clock = time.monotonic
+        self._judged_at = float("-inf")
         self.blocks_per_page = g = agreed.blocks_per_page
         self.page_bytes = agreed.group_bytes
         n = self.num_gpu_blocks
@@ -183,19 +142,18 @@ class ElasticBlockPool(BlockPool):
         self.sizes[-1] = n - g * (self.num_pages - 1)
         self.state = bytearray(self.num_pages)
         self._releasing: dict[int, int] = {}  # page -> InFlight sequence it waits for
-        self._cached_empty: dict[int, None] = {}  # all-free pages that hold cached blocks
-        self._empty: dict[int, None] = {}
+        self._clean: dict[int, float] = {}    # all-free pages still mapped -> since when (as last judged)
+        self._cached: set[int] = set()        # all-free pages that hold prefix-cached blocks
         self.inflight = InFlight()
         self._reporting_all = False
-        self._lock = threading.RLock()  # the scheduler's thread, and GC finalizers of InFlight
+        self._spare = 0
         mapped = sorted(agreed.mapped_groups)
         for b in self.blocks:
             b.prev_free_block = b.next_free_block = None
-        free = [b for p in mapped for b in self._blocks_of(p) if not b.is_null]
-        nfree = [0] * self.num_pages
-        for b in free:
-            nfree[b.block_id // g] += 1
-        self.free_block_queue = PageQueue(free, g, nfree, self.sizes, self._empty)
+        # vLLM's queue, over the blocks of mapped pages only: a block out of the queue
+        # has no links, which is how _page_state tells free blocks from taken ones.
+        self.free_block_queue = FreeKVCacheBlockQueue(
+            [b for p in mapped for b in self._blocks_of(p) if not b.is_null])
         for p in mapped:
             self.state[p] = MAPPED
         self.mapped_count = len(mapped)
@@ -205,6 +163,7 @@ class ElasticBlockPool(BlockPool):
         self._published: tuple[int, int] | None = None
         self._missing_warned = False
         self._refresh_limit()
+        self._recount()
         self._publish(force=True)
         log.info("kvcached: elastic block pool: %d blocks in %d pages of %d blocks (%d bytes each per rank), "
                  "limit %d bytes", n, self.num_pages, g, self.page_bytes, self.limit)
@@ -217,13 +176,18 @@ class ElasticBlockPool(BlockPool):
 
     def get_num_free_blocks(self) -> int:
         """Free blocks of mapped pages, plus what the limit still lets us map; 0 while over it."""
-        queued = self.free_block_queue.num_free_blocks
-        if self._reporting_all:
-            return queued + sum(self.sizes[p] for p in range(self.num_pages) if self.state[p] != MAPPED)
-        extra = self.max_pages - self.mapped_count
-        if extra < 0:
+        # Called for every request the scheduler looks at: _spare is kept by _recount.
+        if self._spare < 0:
             return 0
-        return queued + self._blocks_in_pages(extra)
+        return self.free_block_queue.num_free_blocks + self._spare
+
+    def _recount(self) -> None:
+        """Blocks the pages the limit still allows would add (-1: over the limit); after every change."""
+        if self._reporting_all:
+            self._spare = sum(self.sizes[p] for p in range(self.num_pages) if self.state[p] != MAPPED)
+            return
+        extra = self.max_pages - self.mapped_count
+        self._spare = -1 if extra < 0 else self._blocks_in_pages(extra)
 
     def _blocks_in_pages(self, k: int) -> int:
         """Blocks that `k` more pages surely hold: the last page of the cache may be short."""
@@ -247,40 +211,25 @@ class ElasticBlockPool(BlockPool):
         """Map pages first when the free blocks of mapped pages do not suffice."""
         short = num_blocks - self.free_block_queue.num_free_blocks
         if short > 0:
-            with self._lock:
-                self._grow(short)
+            self._grow(short)
         return super().get_new_blocks(num_blocks)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """vLLM's free, then release pages left empty beyond the reserve."""
+        """vLLM's free; over the limit, the pages it empties are released at once."""
+        # Nothing per block (bench_elastic.py): pages are judged by _trim, a few times a second.
         super().free_blocks(ordered_blocks)
-        if len(self._empty) > self.reserve or self.mapped_count > self.max_pages:
-            with self._lock:
-                self._trim()
-
-    def evict_blocks(self, block_ids: set[int]) -> None:
-        """vLLM's eviction; a page left holding no cached block may now be released."""
-        super().evict_blocks(block_ids)
-        with self._lock:
-            g = self.blocks_per_page
-            for page in {bid // g for bid in block_ids}:
-                if page in self._cached_empty:
-                    del self._cached_empty[page]
-                    self._empty[page] = None  # checked again by _trim
+        if self.mapped_count > self.max_pages:
             self._trim()
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's reset, counting unmapped blocks as the free blocks they are."""
         self._reporting_all = True
+        self._recount()
         try:
             ok = super().reset_prefix_cache()
         finally:
             self._reporting_all = False
-        if ok:
-            with self._lock:
-                self._empty.update(self._cached_empty)
-                self._cached_empty.clear()
-                self._trim()
+            self._recount()
         return ok
 
     # -- mapping -----------------------------------------------------------------------
@@ -319,90 +268,127 @@ class ElasticBlockPool(BlockPool):
             self.state[p] = MAPPED
             self.free_block_queue.prepend_n(self._blocks_of(p))
         self.mapped_count += len(back) + len(new)
+        self._recount()
         if new:
             self._publish(force=True)
 
-    def _trim(self) -> None:
-        """Release empty pages beyond the reserve; over the limit, cached-only pages and the reserve too."""
+    def _page_state(self, page: int) -> int:
+        """0: a block is taken; 1: all free, none cached or being read; 2: all free, some cached or read."""
+        cached = False
+        watchers = self._reuse_watchers
+        blocks = self.blocks
+        lo = page * self.blocks_per_page
+        for i in range(lo, lo + self.sizes[page]):
+            b = blocks[i]
+            if b.prev_free_block is None:  # not in the queue: allocated (or the null block)
+                return 0
+            if b._block_hash is not None or (watchers and i in watchers):
+                cached = True
+        return 2 if cached else 1
+
+    def _trim(self, idle: bool = False) -> None:
+        """Release all-free pages beyond the reserve that stayed free `release_delay` (at once if `idle`).
+
+        Over the limit, every all-free page goes at once, the reserve too, and
+        then pages holding only cached blocks (evicted) until the mapping fits.
+        Every mapped page is judged: a page in use is told by its first taken
+        block, so this costs about a block's check per busy page, and nothing
+        on vLLM's per-block paths.
+        """
+        now = self._judged_at = self.clock()
         over = self.mapped_count - self.max_pages
-        clean = self._clean_empty_pages()
-        # Over the limit the reserve goes too; else keep the lowest pages as the reserve.
-        victims = clean if over > 0 else clean[self.reserve:]
+        clean = self._clean
+        for p, st in enumerate(self.state):
+            if st != MAPPED:
+                continue
+            judged = self._page_state(p)
+            if judged == 1:
+                clean.setdefault(p, now)
+            else:
+                clean.pop(p, None)
+            if judged == 2:
+                self._cached.add(p)
+            else:
+                self._cached.discard(p)
+        for p in [p for p in clean if self.state[p] != MAPPED]:
+            del clean[p]
+        if over > 0:
+            victims = sorted(clean)
+        else:
+            # Keep the lowest pages as the reserve: the heap hands the lowest out first anyway.
+            victims = [p for p in sorted(clean)[self.reserve:] if idle or now - clean[p] >= self.release_delay]
         forced: list[int] = []
         if over > len(victims):
-            forced = [p for p in sorted(self._cached_empty, reverse=True) if self._all_free(p)]
-            forced = forced[: over - len(victims)]
+            forced = [p for p in sorted(self._cached, reverse=True)
+                      if self.state[p] == MAPPED and self._page_state(p) == 2][: over - len(victims)]
         if not victims and not forced:
             return
         q = self.free_block_queue
-        assert isinstance(q, PageQueue)
         for p in victims + forced:
             blocks = self._blocks_of(p)
-            if p in forced:
-                self._cached_empty.pop(p, None)
+            self._clean.pop(p, None)
+            if p in self._cached:
+                self._cached.discard(p)
                 # Readers of unpinned blocks are told, as when vLLM reuses a block.
-                self._notify_reuse(b for b in blocks if b.block_id in self._reuse_watchers)
+                self._notify_reuse([b for b in blocks if b.block_id in self._reuse_watchers])
                 for b in blocks:
                     if b.block_hash is not None:
                         self._maybe_evict_cached_block(b)
-            self._empty.pop(p, None)
-            q.take_page(blocks, p)
+            for b in blocks:
+                q.remove(b)
             self.state[p] = RELEASING
             self._releasing[p] = self.inflight.issued
         self.mapped_count -= len(victims) + len(forced)
+        self._recount()
         self.release_finished()
-
-    def _all_free(self, page: int) -> bool:
-        return self.state[page] == MAPPED and self.free_block_queue.nfree[page] == self.sizes[page]
-
-    def _clean_empty_pages(self) -> list[int]:
-        """Mapped pages whose blocks are all free, none cached or being read, ascending."""
-        out = []
-        for p in list(self._empty):
-            if not self._all_free(p):
-                del self._empty[p]
-            elif any(b.block_hash is not None or b.block_id in self._reuse_watchers
-                     for b in self._blocks_of(p)):
-                del self._empty[p]
-                self._cached_empty[p] = None
-            else:
-                out.append(p)
-        out.sort()
-        return out
 
     def release_finished(self) -> None:
         """Unmap released pages that no running batch can touch any more."""
-        with self._lock:
-            if not self._releasing:
-                return
-            done = self.inflight.finished_through()
-            pages = sorted(p for p, seq in self._releasing.items() if seq <= done)
-            if not pages:
-                return
-            self.link.unmap(pages)
-            for p in pages:
-                del self._releasing[p]
-                self.state[p] = UNMAPPED
-                heapq.heappush(self._unmapped, p)
-            self._publish(force=True)
+        if not self._releasing:
+            return
+        done = self.inflight.finished_through()
+        pages = sorted(p for p, seq in self._releasing.items() if seq <= done)
+        if not pages:
+            return
+        self.link.unmap(pages)
+        for p in pages:
+            del self._releasing[p]
+            self.state[p] = UNMAPPED
+            heapq.heappush(self._unmapped, p)
+        self._recount()
+        self._publish(force=True)
 
     # -- the step and the segment ------------------------------------------------------
 
     def begin_step(self) -> None:
-        """Before the scheduler runs: follow the limit, release what is due, publish."""
-        with self._lock:
-            self._refresh_limit()
+        """Before the scheduler runs: follow the limit (releasing at once what it no longer allows)."""
+        self._refresh_limit()
+        if self.mapped_count > self.max_pages:
+            self.end_step()
+        elif self._releasing:
             self.release_finished()
-            if self.mapped_count > self.max_pages or len(self._empty) > self.reserve:
-                self._trim()
-            self._publish()
+
+    def end_step(self, idle: bool = False) -> None:
+        """After a step's frees (and at the next step's start): release what is due, publish.
+
+        `idle`: the scheduler has no request left, so no step will come to
+        release pages later: release everything beyond the reserve now.
+        """
+        self.release_finished()
+        # While requests run, judging pages more often than a quarter of the delay buys
+        # nothing (a page must stay free that long) and judging is most of a step's cost
+        # (bench_elastic.py): judge at that pace, at once when idle or over the limit.
+        due = idle or self.mapped_count > self.max_pages or \
+            self.clock() - self._judged_at >= self.release_delay / 4
+        if due:
+            self._trim(idle)
+            self._publish()  # the used/prealloc split moves only when pages are judged
 
     def _refresh_limit(self) -> None:
-        if self.segment_path is None:
-            return
         try:
-            self.limit = read_segment(self.segment_path).total
-            self._missing_warned = False
+            if self._limit_watch is not None:
+                self.limit = self._limit_watch.read()
+                self._missing_warned = False
         except SegmentMissing:
             if not self._missing_warned:
                 log.warning("kvcached: no limit segment at %s; keeping the limit of %d bytes until it appears",
@@ -412,13 +398,15 @@ class ElasticBlockPool(BlockPool):
             # Keep the last limit: guessing a bigger one could take memory an operator withdrew.
             log.warning("kvcached: cannot read the limit from %s (%s); keeping %d", self.segment_path, e,
                         self.limit)
-        self.max_pages = min(self.num_pages, max(0, self.limit) // self.page_bytes)
+        max_pages = min(self.num_pages, max(0, self.limit) // self.page_bytes)
+        if max_pages != self.max_pages:
+            self.max_pages = max_pages
+            self._recount()
 
     def _publish(self, force: bool = False) -> None:
         if self.segment_path is None:
             return
-        empty = len(self._clean_empty_pages()) + len(self._releasing)
-        prealloc = empty * self.page_bytes
+        prealloc = (len(self._clean) + len(self._releasing)) * self.page_bytes
         used = (self.mapped_count + len(self._releasing)) * self.page_bytes - prealloc
         if not force and self._published == (used, prealloc):
             return
@@ -440,9 +428,3 @@ class ElasticBlockPool(BlockPool):
     def mapped_bytes(self) -> int:
         """Memory mapped per rank (an upper bound: neighbouring pages may share memory)."""
         return (self.mapped_count + len(self._releasing)) * self.page_bytes
-
-    def stats(self) -> dict[str, int]:
-        """Pages, blocks and bytes now, for logs and tests."""
-        return {"mapped_pages": self.mapped_count, "releasing_pages": len(self._releasing),
-                "free_blocks": self.free_block_queue.num_free_blocks, "max_pages": self.max_pages,
-                "limit": self.limit, "mapped_bytes": self.mapped_bytes, "time": int(time.time())}

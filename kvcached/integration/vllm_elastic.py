@@ -20,8 +20,9 @@ does. On, four points change, each found by its shape (docs/VLLM.md):
    `ElasticBlockPool`, once every worker agreed on the page size. If every
    worker refused, the plain pool is kept; a mix, or a worker that cannot be
    reached, fails the engine's start.
-4. Engine, `Scheduler.schedule` / `update_from_output`: each step starts by
-   following the limit; the batches in flight are tracked so that memory a
+4. Engine, `Scheduler.schedule` / `update_from_output` / `finish_requests`:
+   each step starts by following the limit and ends by releasing what its
+   frees left empty; the batches in flight are tracked so that memory a
    running batch may still write is never unmapped under it.
 
 The limit is the deployment's segment (``layout_from_env().segment_path(
@@ -49,6 +50,7 @@ log = logging.getLogger("kvcached.integration.vllm.elastic")
 ENV_ELASTIC = "KVCACHED_ELASTIC"
 ENV_RESERVE = "KVCACHED_ELASTIC_RESERVE_PAGES"
 ENV_PAGE_SIZE = "KVCACHED_PAGE_SIZE"
+ENV_DELAY = "KVCACHED_ELASTIC_RELEASE_DELAY_S"
 MARK = "_kvcached_elastic"  # set on the KVCacheConfig objects the engine sends its workers
 _MAX_RUNS_PER_BLOCK = 4096
 
@@ -81,6 +83,16 @@ def reserve_pages(environ: Mapping[str, str] | None = None) -> int:
     except ValueError:
         log.warning("kvcached: %s=%r is not a number; using 1", ENV_RESERVE, env.get(ENV_RESERVE))
         return 1
+
+
+def release_delay(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds a free page stays mapped while requests run (``KVCACHED_ELASTIC_RELEASE_DELAY_S``, 1)."""
+    env = os.environ if environ is None else environ
+    try:
+        return max(0.0, float(env.get(ENV_DELAY, "1")))
+    except ValueError:
+        log.warning("kvcached: %s=%r is not a number; using 1", ENV_DELAY, env.get(ENV_DELAY))
+        return 1.0
 
 
 def page_size(environ: Mapping[str, str] | None = None) -> int:
@@ -356,7 +368,7 @@ def _make_setup(num_blocks: int) -> Any:
             log.warning("kvcached: every worker kept vLLM's allocation; the block pool is not elastic: %s", e)
             return None
         raise
-    return ElasticSetup(link, agreed, plan.segment_path, reserve_pages())
+    return ElasticSetup(link, agreed, plan.segment_path, reserve_pages(), release_delay())
 
 
 def _all_refused(link: Any) -> bool:
@@ -427,7 +439,8 @@ def probe() -> tuple[dict[str, Any], str]:
     _require(_params(_unwrapped(sched.update_from_output))[:3] == ["self", "scheduler_output",
                                                                    "model_runner_output"],
              "Scheduler.update_from_output(scheduler_output, model_runner_output) changed")
-    _require(callable(getattr(sched, "schedule", None)), "Scheduler.schedule is missing")
+    for name in ("schedule", "finish_requests", "has_requests"):
+        _require(callable(getattr(sched, name, None)), f"Scheduler.{name} is missing")
     execu = mods[M_EXECUTOR].Executor
     _require(_params(_unwrapped(execu.initialize_from_config)) == ["self", "kv_cache_configs"],
              "Executor.initialize_from_config(kv_cache_configs) changed")
@@ -510,11 +523,23 @@ def apply() -> Callable[[], None]:
             return orig_update(self, scheduler_output, model_runner_output, *args, **kwargs)
         pool.inflight.complete(scheduler_output)
         out = orig_update(self, scheduler_output, model_runner_output, *args, **kwargs)
-        pool.release_finished()  # what this output freed, once no other batch runs
+        # What this output freed: released beyond the reserve, unmapped once no batch runs;
+        # all of it at once when nothing is left to schedule (no later step would).
+        pool.end_step(idle=not self.has_requests())
+        return out
+
+    orig_finish = sched.finish_requests
+
+    def finish_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig_finish(self, *args, **kwargs)
+        pool = elastic_pool(self)
+        if pool is not None and not self.has_requests():
+            pool.end_step(idle=True)  # aborted while nothing else runs: no step will come
         return out
 
     swap(sched, "schedule", _mark(schedule, orig_schedule))
     swap(sched, "update_from_output", _mark(update_from_output, orig_update))
+    swap(sched, "finish_requests", _mark(finish_requests, orig_finish))
 
     orig_ifc = execu.initialize_from_config
 

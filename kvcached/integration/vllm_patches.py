@@ -452,6 +452,7 @@ _ELASTIC_TARGETS = (
     "vllm.v1.core.kv_cache_coordinator:BlockPool",
     "vllm.v1.core.sched.scheduler:Scheduler.schedule",
     "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+    "vllm.v1.core.sched.scheduler:Scheduler.finish_requests",
 )
 # End of the elastic KV registration -------------------------------------------
 

@@ -52,6 +52,7 @@ def patched(request, monkeypatch, vllm_env):
 
     monkeypatch.setenv("KVCACHED_ELASTIC", "1")
     monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(PAGE))
+    monkeypatch.setenv("KVCACHED_ELASTIC_RELEASE_DELAY_S", "0")  # release at each step (delay: own test)
     monkeypatch.setenv("KVCACHED_ELASTIC_RESERVE_PAGES", "1")
     on = bool(getattr(request, "param", True))
     vllm_patches.revert()
@@ -356,5 +357,32 @@ def test_a_failed_mapping_fails_the_step_loudly_and_changes_nothing(serve, patch
         with pytest.raises(MapError, match="Input/output error"):
             s.driver.step()
         assert (s.buf.mapped_groups(), s.buf.pages.mapped_pages(), s.pool.mapped_pages()) == before
+
+    check_or_fail(patched, check)
+
+
+@both
+def test_free_pages_stay_a_while_under_load_and_go_at_once_when_idle(serve, patched, monkeypatch) -> None:
+    """The release delay: a load that swings does not unmap and map the same pages step after step."""
+    monkeypatch.setenv("KVCACHED_ELASTIC_RELEASE_DELAY_S", "5")
+    s = serve()
+    now = [1000.0]
+    s.pool.clock = lambda: now[0]  # the pool's clock, stepped by hand
+
+    def check() -> None:
+        s.driver.add([es.request("long", list(range(20)), 300)] + burst("b", 6, 120, 4, start=10_000))
+        while not all(f"b{i}" in s.driver.finished for i in range(6)):
+            s.driver.step()
+        s.driver.step()
+        held = len(s.held_pages())
+        assert s.mapped_bytes() > (held + 1) * PB, "the burst's pages went at once, under load"
+        now[0] += 2            # pages are judged every delay/4 while busy: now seen free
+        s.driver.step()
+        assert s.mapped_bytes() > (held + 1) * PB, "released before they stayed free for the delay"
+        now[0] += 5
+        s.driver.step()
+        assert s.mapped_bytes() <= (held + 1) * PB, "the burst's pages stayed past the delay"
+        s.driver.run()  # the long request ends: nothing left to run, so nothing waits for the delay
+        assert s.mapped_bytes() == 2 * PB
 
     check_or_fail(patched, check)

@@ -64,6 +64,7 @@ def patched(request, monkeypatch, vllm_env):
 
     monkeypatch.setenv("KVCACHED_ELASTIC", "1")
     monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(PAGE))
+    monkeypatch.setenv("KVCACHED_ELASTIC_RELEASE_DELAY_S", "0")  # release at each step (delay: own test)
     on = bool(getattr(request, "param", True))
     vllm_patches.revert()
     if on:
