@@ -75,24 +75,25 @@ def elastic_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return env.get(ENV_ELASTIC, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def reserve_pages(environ: Mapping[str, str] | None = None) -> int:
-    """Empty pages kept mapped for the next requests (``KVCACHED_ELASTIC_RESERVE_PAGES``, default 1)."""
+def _env_number(environ: Mapping[str, str] | None, name: str, default: float) -> float:
+    """A non-negative number from the environment; a bad one is warned about and the default used."""
     env = os.environ if environ is None else environ
+    raw = env.get(name, "").strip()
     try:
-        return max(0, int(env.get(ENV_RESERVE, "1")))
+        return max(0.0, float(raw)) if raw else default
     except ValueError:
-        log.warning("kvcached: %s=%r is not a number; using 1", ENV_RESERVE, env.get(ENV_RESERVE))
-        return 1
+        log.warning("kvcached: %s=%r is not a number; using %g", name, raw, default)
+        return default
+
+
+def reserve_pages(environ: Mapping[str, str] | None = None) -> int:
+    """Free pages kept mapped for the next requests (``KVCACHED_ELASTIC_RESERVE_PAGES``, default 1)."""
+    return int(_env_number(environ, ENV_RESERVE, 1))
 
 
 def release_delay(environ: Mapping[str, str] | None = None) -> float:
     """Seconds a free page stays mapped while requests run (``KVCACHED_ELASTIC_RELEASE_DELAY_S``, 1)."""
-    env = os.environ if environ is None else environ
-    try:
-        return max(0.0, float(env.get(ENV_DELAY, "1")))
-    except ValueError:
-        log.warning("kvcached: %s=%r is not a number; using 1", ENV_DELAY, env.get(ENV_DELAY))
-        return 1.0
+    return _env_number(environ, ENV_DELAY, 1.0)
 
 
 def page_size(environ: Mapping[str, str] | None = None) -> int:
@@ -418,7 +419,7 @@ def probe() -> tuple[dict[str, Any], str]:
     """The objects the patch changes; raises ShapeError when the installed vLLM is not the shape we know."""
     mods = {m: importlib.import_module(m) for m in (M_BLOCK_POOL, M_COORDINATOR, M_MANAGER, M_SCHEDULER,
                                                    M_EXECUTOR, M_WORKER_UTILS, M_INTERFACE)}
-    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
     bp = mods[M_BLOCK_POOL].BlockPool
     for name in ("get_num_free_blocks", "get_new_blocks", "free_blocks", "evict_blocks", "reset_prefix_cache",
@@ -429,6 +430,9 @@ def probe() -> tuple[dict[str, Any], str]:
              "BlockPool.__init__ no longer builds a FreeKVCacheBlockQueue and _reuse_watchers")
     for name in ("popleft", "popleft_n", "remove", "append", "append_n", "prepend_n"):
         _require(callable(getattr(FreeKVCacheBlockQueue, name, None)), f"FreeKVCacheBlockQueue.{name} is missing")
+    fields = getattr(KVCacheBlock, "__dataclass_fields__", {})
+    _require({"block_id", "ref_cnt", "_block_hash", "prev_free_block", "is_null"} <= set(fields),
+             "KVCacheBlock no longer has block_id, ref_cnt, _block_hash, prev_free_block, is_null")
     coord = mods[M_COORDINATOR]
     _require(getattr(coord, "BlockPool", None) in (bp, _block_pool_factory),
              "kv_cache_coordinator no longer builds its pool through the name BlockPool")

@@ -57,3 +57,28 @@ def _restore_sigterm() -> Iterator[None]:
     signal.signal(signal.SIGTERM, before)
     owner._sigterm_installed = False
     owner._sigterm_owners.clear()
+
+
+@pytest.fixture
+def elastic(request, monkeypatch, vllm_env) -> Iterator[bool]:
+    """The elastic-kv patch on (param True) or off (False): 64 KiB pages, freed pages released each step.
+
+    The environment is the one the patch reads in every vLLM process: turned
+    on, small CPU pages so that a few blocks make a page, no release delay
+    (its own test sets one). Reverted after, with the engine plan and the
+    process's buffer forgotten.
+    """
+    from kvcached.integration import vllm_elastic, vllm_patches
+    from kvcached.runtime import kvbuffer
+
+    monkeypatch.setenv("KVCACHED_ELASTIC", "1")
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(64 * 1024))  # elastic_support.PAGE
+    monkeypatch.setenv("KVCACHED_ELASTIC_RELEASE_DELAY_S", "0")
+    on = bool(getattr(request, "param", True))
+    vllm_patches.revert()
+    if on:
+        assert vllm_patches.apply(("elastic-kv",)) == {"elastic-kv": True}
+    yield on
+    vllm_patches.revert()
+    vllm_elastic.forget_engine()
+    kvbuffer.set_local_buffer(None)

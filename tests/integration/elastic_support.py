@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 from vllm import ModelRegistry
@@ -33,6 +34,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker import utils as worker_utils
 
 ARCH = "KvcachedStandInForCausalLM"
+PAGE = 64 * 1024  # KVCACHED_PAGE_SIZE in the `elastic` fixture: a few blocks make a page
 BLOCK_SIZE = 16
 EOS = 999
 
@@ -51,6 +53,18 @@ class KvcachedStandInForCausalLM(nn.Module):
 
 
 ModelRegistry.register_model(ARCH, KvcachedStandInForCausalLM)
+
+#: Run a test with the elastic-kv patch on and off (the `elastic` fixture of conftest.py).
+both = pytest.mark.parametrize("elastic", [True, False], ids=["patched", "unpatched"], indirect=True)
+
+
+def check_or_fail(on: bool, check: Callable[[], None]) -> None:
+    """Run `check`; with the patch off it must fail: the claim is kvcached's, not vLLM's."""
+    if on:
+        check()
+    else:
+        with pytest.raises(AssertionError):
+            check()
 
 
 def model_dir(root: str) -> str:

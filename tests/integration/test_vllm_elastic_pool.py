@@ -1,6 +1,6 @@
 """Engine side: vLLM's real Scheduler, KVCacheManager and BlockPool, elastic, with TP = 1.
 
-The KV cache is allocated by vLLM's (patched) allocation in this process, as
+The KV cache is allocated by vLLM's (elastic) allocation in this process, as
 the ``uni`` executor's worker does, so the pages are real memfd pages and the
 "mapped memory" measured is the extension's own count of mapped pages. The
 limit is a real segment claimed on a private node root, changed with the real
@@ -37,31 +37,11 @@ from kvcached.startup import claim_segment  # noqa: E402
 
 from . import elastic_support as es  # noqa: E402
 
-PAGE = 64 * 1024
+PAGE = es.PAGE
 BPP = 8                     # blocks per page
 PB = 2 * PAGE               # bytes per page per rank (2 layers)
 NUM_BLOCKS = 256            # 32 pages; vLLM's full allocation: 4 MiB
 KVCTL = str(Path(sys.executable).with_name("kvctl"))  # the installed command, as an operator runs it
-both = pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"], indirect=True)
-
-
-@pytest.fixture
-def patched(request, monkeypatch, vllm_env):
-    """The elastic-kv patch on (param True) or off (False) on the test's private node; always reverted."""
-    from kvcached.integration import vllm_patches
-
-    monkeypatch.setenv("KVCACHED_ELASTIC", "1")
-    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(PAGE))
-    monkeypatch.setenv("KVCACHED_ELASTIC_RELEASE_DELAY_S", "0")  # release at each step (delay: own test)
-    monkeypatch.setenv("KVCACHED_ELASTIC_RESERVE_PAGES", "1")
-    on = bool(getattr(request, "param", True))
-    vllm_patches.revert()
-    if on:
-        assert vllm_patches.apply(("elastic-kv",)) == {"elastic-kv": True}
-    yield on
-    vllm_patches.revert()
-    vllm_elastic.forget_engine()
-    kvbuffer.set_local_buffer(None)
 
 
 class Serve:
@@ -110,7 +90,7 @@ class Serve:
 
 
 @pytest.fixture
-def serve(tmp_path, layout, uniq, patched):
+def serve(tmp_path, layout, uniq, elastic):
     made: list[Serve] = []
 
     def make(limit: int = 64 * PB, **kw) -> Serve:
@@ -128,17 +108,8 @@ def burst(prefix: str, n: int, prompt: int, gen: int, start: int = 0) -> list:
             for i in range(n)]
 
 
-def check_or_fail(patched: bool, check) -> None:
-    """Run `check`; with the patch off it must fail (the claim is kvcached's, not vLLM's)."""
-    if patched:
-        check()
-    else:
-        with pytest.raises(AssertionError):
-            check()
-
-
-@both
-def test_mapped_memory_follows_the_blocks_in_use(serve, patched) -> None:
+@es.both
+def test_mapped_memory_follows_the_blocks_in_use(serve, elastic) -> None:
     s = serve()
 
     def check() -> None:
@@ -161,11 +132,11 @@ def test_mapped_memory_follows_the_blocks_in_use(serve, patched) -> None:
         s.driver.run(each=each)
         assert max(seen) >= 6 and min(seen[-3:]) == 1  # it grew, and came back down
 
-    check_or_fail(patched, check)
+    es.check_or_fail(elastic, check)
 
 
-@both
-def test_the_limit_is_never_exceeded_and_requests_wait_for_memory(serve, patched) -> None:
+@es.both
+def test_the_limit_is_never_exceeded_and_requests_wait_for_memory(serve, elastic) -> None:
     s = serve(limit=6 * PB)                    # 48 blocks; each request needs 7 blocks at its end
     s.driver.add(burst("r", 12, 90, 20))
 
@@ -183,11 +154,11 @@ def test_the_limit_is_never_exceeded_and_requests_wait_for_memory(serve, patched
         assert sorted(s.driver.finished) == sorted(f"r{i}" for i in range(12))  # all served, none failed
         assert most < 12                                                        # some had to wait
 
-    check_or_fail(patched, check)
+    es.check_or_fail(elastic, check)
 
 
-@both
-def test_lowering_the_limit_shrinks_the_mapping_raising_it_lets_waiting_requests_in(serve, patched) -> None:
+@es.both
+def test_lowering_the_limit_shrinks_the_mapping_raising_it_lets_waiting_requests_in(serve, elastic) -> None:
     s = serve(limit=32 * PB)
     s.driver.add(burst("r", 8, 150, 60))
 
@@ -217,11 +188,11 @@ def test_lowering_the_limit_shrinks_the_mapping_raising_it_lets_waiting_requests
         s.driver.run()
         assert len(s.driver.finished) == 8
 
-    check_or_fail(patched, check)
+    es.check_or_fail(elastic, check)
 
 
-@both
-def test_finished_requests_give_their_pages_back(serve, patched) -> None:
+@es.both
+def test_finished_requests_give_their_pages_back(serve, elastic) -> None:
     s = serve()
     s.driver.add(burst("r", 6, 120, 30))
 
@@ -243,7 +214,7 @@ def test_finished_requests_give_their_pages_back(serve, patched) -> None:
         row = next(r for r in json.loads(listed.stdout) if r["ipc"] == s.name)
         assert row["used_bytes"] == PB
 
-    check_or_fail(patched, check)
+    es.check_or_fail(elastic, check)
 
 
 def cached_tokens(out, rid: str) -> int:
@@ -251,8 +222,8 @@ def cached_tokens(out, rid: str) -> int:
     return next(r.num_computed_tokens for r in out.scheduled_new_reqs if r.req_id == rid)
 
 
-@both
-def test_prefix_cache_hits_still_hit_and_evicting_frees_pages(serve, patched) -> None:
+@es.both
+def test_prefix_cache_hits_still_hit_and_evicting_frees_pages(serve, elastic) -> None:
     s = serve(prefix_caching=True)
     prompt = list(range(5000, 5000 + 16 * 10 + 5))    # 10 full blocks and a bit
 
@@ -279,7 +250,7 @@ def test_prefix_cache_hits_still_hit_and_evicting_frees_pages(serve, patched) ->
         hit = cached_tokens(s.driver.step(), "d")
         assert hit < 16 * 10, f"{hit} tokens hit: blocks evicted with their pages should miss"
 
-    check_or_fail(patched, check)
+    es.check_or_fail(elastic, check)
 
 
 def test_batches_in_flight_keep_their_pages_mapped(serve, monkeypatch) -> None:
@@ -339,8 +310,8 @@ def test_batches_in_flight_keep_their_pages_mapped(serve, monkeypatch) -> None:
     assert run(s2), "with in-flight batches ignored the trace should unmap pages under a running batch"
 
 
-@both
-def test_a_failed_mapping_fails_the_step_loudly_and_changes_nothing(serve, patched, monkeypatch) -> None:
+@es.both
+def test_a_failed_mapping_fails_the_step_loudly_and_changes_nothing(serve, elastic, monkeypatch) -> None:
     s = serve()
     s.driver.add(burst("r", 2, 20, 4))
     s.driver.step()
@@ -358,11 +329,11 @@ def test_a_failed_mapping_fails_the_step_loudly_and_changes_nothing(serve, patch
             s.driver.step()
         assert (s.buf.mapped_groups(), s.buf.pages.mapped_pages(), s.pool.mapped_pages()) == before
 
-    check_or_fail(patched, check)
+    es.check_or_fail(elastic, check)
 
 
-@both
-def test_free_pages_stay_a_while_under_load_and_go_at_once_when_idle(serve, patched, monkeypatch) -> None:
+@es.both
+def test_free_pages_stay_a_while_under_load_and_go_at_once_when_idle(serve, elastic, monkeypatch) -> None:
     """The release delay: a load that swings does not unmap and map the same pages step after step."""
     monkeypatch.setenv("KVCACHED_ELASTIC_RELEASE_DELAY_S", "5")
     s = serve()
@@ -385,4 +356,4 @@ def test_free_pages_stay_a_while_under_load_and_go_at_once_when_idle(serve, patc
         s.driver.run()  # the long request ends: nothing left to run, so nothing waits for the delay
         assert s.mapped_bytes() == 2 * PB
 
-    check_or_fail(patched, check)
+    es.check_or_fail(elastic, check)

@@ -29,25 +29,7 @@ from kvcached.runtime import kvbuffer  # noqa: E402
 
 from . import elastic_support as es  # noqa: E402
 
-PAGE = 64 * 1024
-both = pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"], indirect=True)
-
-
-@pytest.fixture
-def patched(request, monkeypatch):
-    """The elastic-kv patch on (param True) or off (False); always reverted."""
-    from kvcached.integration import vllm_patches
-
-    monkeypatch.setenv("KVCACHED_ELASTIC", "1")
-    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(PAGE))
-    on = bool(getattr(request, "param", True))
-    vllm_patches.revert()
-    if on:
-        assert vllm_patches.apply(("elastic-kv",)) == {"elastic-kv": True}
-    yield on
-    vllm_patches.revert()
-    vllm_elastic.forget_engine()
-    kvbuffer.set_local_buffer(None)
+PAGE = es.PAGE
 
 
 def full_groups(layers: int = 3) -> list[KVCacheGroupSpec]:
@@ -119,23 +101,23 @@ def check_blocks_in_their_pages(cfg, kv) -> None:
         assert ok, f"{name}: a block's bytes lie outside its group's pages"
 
 
-@both
-@pytest.mark.parametrize("kind,layout,groups", CASES, ids=[f"{k}-{lay}" for k, lay, _ in CASES])
-def test_layers_are_views_whose_blocks_lie_in_their_pages(patched, tmp_path, kind, layout, groups) -> None:
-    cfg, kv = allocate(tmp_path, layout, groups)
-    if not patched:
+@es.both
+@pytest.mark.parametrize("kind,kv_layout,groups", CASES, ids=[f"{k}-{lay}" for k, lay, _ in CASES])
+def test_layers_are_views_whose_blocks_lie_in_their_pages(elastic, tmp_path, kind, kv_layout, groups) -> None:
+    cfg, kv = allocate(tmp_path, kv_layout, groups)
+    if not elastic:
         with pytest.raises(AssertionError, match="no elastic buffer"):
             check_blocks_in_their_pages(cfg, kv)
         return
     check_blocks_in_their_pages(cfg, kv)
 
 
-@both
-@pytest.mark.parametrize("kind,layout,groups", CASES[:1] + CASES[4:], ids=["full-LBHNC", "hybrid-BLHNC",
+@es.both
+@pytest.mark.parametrize("kind,kv_layout,groups", CASES[:1] + CASES[4:], ids=["full-LBHNC", "hybrid-BLHNC",
                                                                            "hybrid-LBHNC", "mla-LBHNC"])
-def test_mapped_blocks_take_writes_and_only_their_pages_cost_memory(patched, tmp_path, kind, layout,
+def test_mapped_blocks_take_writes_and_only_their_pages_cost_memory(elastic, tmp_path, kind, kv_layout,
                                                                    groups) -> None:
-    cfg, kv = allocate(tmp_path, layout, groups)
+    cfg, kv = allocate(tmp_path, kv_layout, groups)
 
     def check() -> None:
         buf = check_views_over_the_buffer(cfg, kv)
@@ -157,15 +139,11 @@ def test_mapped_blocks_take_writes_and_only_their_pages_cost_memory(patched, tmp
         link.unmap(groups_on)
         assert buf.pages.mapped_pages() == buf.plan.pages_of(0)
 
-    if patched:
-        check()
-    else:
-        with pytest.raises(AssertionError):
-            check()
+    es.check_or_fail(elastic, check)
 
 
-@both
-def test_layer_regions_are_padded_so_groups_own_their_pages(patched, tmp_path) -> None:
+@es.both
+def test_layer_regions_are_padded_so_groups_own_their_pages(elastic, tmp_path) -> None:
     """101 blocks of 8 KiB: each layer's region ends mid-page in vLLM's plan; padded, no page is shared."""
     cfg, kv = allocate(tmp_path, "LBHNC", full_groups)
 
@@ -178,14 +156,10 @@ def test_layer_regions_are_padded_so_groups_own_their_pages(patched, tmp_path) -
                 assert owner.setdefault(p, g) == g, f"page {p} serves groups {owner[p]} and {g}"
         assert all(t.layer_stride % PAGE == 0 for t in cfg.kv_cache_tensors)
 
-    if patched:
-        check()
-    else:
-        with pytest.raises(AssertionError):
-            check()
+    es.check_or_fail(elastic, check)
 
 
-def test_a_config_the_engine_did_not_mark_keeps_vllms_allocation(patched, tmp_path) -> None:
+def test_a_config_the_engine_did_not_mark_keeps_vllms_allocation(elastic, tmp_path) -> None:
     vc = es.vllm_config(str(tmp_path))
     cfg = es.kv_cache_config(vc, 64)
     kv = es.allocate(cfg, vc)  # no prepare_engine: no engine will map these pages
@@ -194,7 +168,7 @@ def test_a_config_the_engine_did_not_mark_keeps_vllms_allocation(patched, tmp_pa
     assert zeroed  # vLLM's zeroed allocation, all of it usable
 
 
-def test_a_layout_without_views_falls_back_and_says_why(patched, tmp_path, caplog) -> None:
+def test_a_layout_without_views_falls_back_and_says_why(elastic, tmp_path, caplog) -> None:
     vc = es.vllm_config(str(tmp_path))
     cfg = es.kv_cache_config(vc, 64)
     cfg.kv_cache_tensors[0].host_resident = True  # as HiSparse host pools are

@@ -29,16 +29,14 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvcached.integration import vllm_elastic  # noqa: E402
 from kvcached.ipc.client import Client  # noqa: E402
-from kvcached.runtime import kvbuffer  # noqa: E402
 from kvcached.runtime.pool import CMD_MAPPED, MapError  # noqa: E402
 from kvcached.startup import claim_segment  # noqa: E402
 
 from . import elastic_support as es  # noqa: E402
 
-PAGE = 64 * 1024
+PAGE = es.PAGE
 BPP = 8
 PB = 2 * PAGE
-both = pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"], indirect=True)
 
 _WORKER = """
 import json, signal, sys
@@ -59,24 +57,7 @@ while True:
 
 
 @pytest.fixture
-def patched(request, monkeypatch, vllm_env):
-    from kvcached.integration import vllm_patches
-
-    monkeypatch.setenv("KVCACHED_ELASTIC", "1")
-    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(PAGE))
-    monkeypatch.setenv("KVCACHED_ELASTIC_RELEASE_DELAY_S", "0")  # release at each step (delay: own test)
-    on = bool(getattr(request, "param", True))
-    vllm_patches.revert()
-    if on:
-        assert vllm_patches.apply(("elastic-kv",)) == {"elastic-kv": True}
-    yield on
-    vllm_patches.revert()
-    vllm_elastic.forget_engine()
-    kvbuffer.set_local_buffer(None)
-
-
-@pytest.fixture
-def tp2(tmp_path, layout, uniq, patched):
+def tp2(tmp_path, layout, uniq, elastic):
     """A TP = 2 engine: segment claimed, two worker processes up, the scheduler built over them."""
     lease, _, _ = claim_segment(layout, uniq, 64 * PB)
     vc = es.vllm_config(str(tmp_path), tp=2, prefix_caching=False)
@@ -110,8 +91,8 @@ def worker_pages(paths: list[str]) -> list[tuple[list[int], int]]:
     return out
 
 
-@both
-def test_workers_map_and_unmap_in_step_with_the_engines_pool(tp2, patched) -> None:
+@es.both
+def test_workers_map_and_unmap_in_step_with_the_engines_pool(tp2, elastic) -> None:
     sched, _procs, paths = tp2
     pool = sched.kv_cache_manager.block_pool
     driver = es.Driver(sched)
@@ -135,11 +116,7 @@ def test_workers_map_and_unmap_in_step_with_the_engines_pool(tp2, patched) -> No
         driver.run(each=each)
         assert max(sizes) >= 6 and min(sizes) <= 2  # pages went up and came back
 
-    if patched:
-        check()
-    else:
-        with pytest.raises(AssertionError):
-            check()
+    es.check_or_fail(elastic, check)
 
 
 def test_a_dead_worker_fails_the_engine_loudly_and_never_half_maps(tp2) -> None:
