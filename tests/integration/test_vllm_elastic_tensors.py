@@ -204,3 +204,22 @@ def test_page_size_env(monkeypatch) -> None:
     assert vllm_elastic.page_size() == 65536
     monkeypatch.delenv("KVCACHED_PAGE_SIZE")
     assert vllm_elastic.page_size() == 2 << 20
+
+
+def test_model_runners_that_imported_the_allocation_first_get_it_too(monkeypatch) -> None:
+    """vLLM's model runner binds allocate_kv_cache at import: patching the utils module alone would miss it."""
+    from vllm.v1.worker import gpu_model_runner, utils
+
+    from kvcached.integration import vllm_patches
+
+    monkeypatch.setenv("KVCACHED_ELASTIC", "1")
+    vllm_patches.revert()
+    original = utils.allocate_kv_cache
+    assert gpu_model_runner.allocate_kv_cache is original  # imported before the patch, as in a worker
+    try:
+        assert vllm_patches.apply(("elastic-kv",)) == {"elastic-kv": True}
+        assert gpu_model_runner.allocate_kv_cache is vllm_elastic.allocate_kv_cache
+        assert utils.allocate_kv_cache is vllm_elastic.allocate_kv_cache
+    finally:
+        vllm_patches.revert()
+    assert gpu_model_runner.allocate_kv_cache is original and utils.allocate_kv_cache is original

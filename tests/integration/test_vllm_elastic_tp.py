@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,7 @@ from kvcached.startup import claim_segment  # noqa: E402
 from . import elastic_support as es  # noqa: E402
 
 PAGE = es.PAGE
+REPO = str(Path(__file__).resolve().parents[2])  # the workers import this checkout's kvcached
 BPP = 8
 PB = 2 * PAGE
 
@@ -66,7 +68,7 @@ def tp2(tmp_path, layout, uniq, elastic):
     vllm_elastic.pad_layer_regions(cfg, PAGE)                 # what each worker's allocation does first
     fp = json.dumps(vllm_elastic.footprint(cfg, KVCacheLayout[cfg.kv_cache_layout]).to_dict())
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER, layout.root, uniq, str(rank), fp, str(PAGE)],
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
              for rank in (0, 1)]
     try:
         for p in procs:
