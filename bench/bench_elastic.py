@@ -1,6 +1,6 @@
 """Elastic KV inside vLLM 0.33: block pool cost, and mapped memory on a bursty trace, side by side.
 
-    python bench/bench_elastic.py [--rounds 7] [--steps 3000]
+    python bench/bench_elastic.py [--rounds 15] [--steps 1500]
 
 1. vLLM's BlockPool against kvcached's ElasticBlockPool on the same
    stationary load, driven as the scheduler drives it (get_new_blocks for
@@ -9,8 +9,9 @@
    begin_step: limit read, page judgement, publish) counted in, so the cost
    per block is amortised over the blocks a step moves. Steady state: the
    working set is mapped before timing; whatever map/unmap the load's swings
-   still cause is counted. Rounds alternate between the two pools; the
-   median round is reported. Target: <= 1.3x per block.
+   still cause is counted. Rounds alternate between the two pools, CPU time;
+   the median of the per-round ratios is the figure (best-to-best beside
+   it). Target: <= 1.3x per block.
 2. vLLM's real Scheduler with the elastic pool (TP = 1, the KV cache in this
    process over memfd pages) on bursts of requests with idle gaps: the peak
    memory mapped against the peak KV in use (blocks allocated), and against
@@ -45,6 +46,10 @@ def _spec() -> Any:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     return FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, dtype=torch.float16)
+
+
+class _Batch:
+    """Stands for a SchedulerOutput: the pool tracks it weakly until its output comes back."""
 
 
 def _pools(num_blocks: int, seg: str) -> tuple[Any, Any, Any]:
@@ -120,9 +125,14 @@ def bench_pool(rounds: int, steps: int) -> float:
         create_segment(seg, 1 << 40)
         plain, elastic, buf = _pools(8192, seg)
 
+        batch = [object()]
+
         def step() -> None:  # what the patched update_from_output and schedule add to a step
+            elastic.inflight.complete(batch[0])
             elastic.end_step()
             elastic.begin_step()
+            batch[0] = _Batch()
+            elastic.inflight.issue(batch[0])
 
         _run(plain, ops, None)  # warm both: the working set gets mapped here
         _run(elastic, ops, step)
@@ -139,17 +149,22 @@ def bench_pool(rounds: int, steps: int) -> float:
             step()
         per_step = (time.perf_counter() - t0) / 2000
         blocks_per_step = n / steps
-    p, e = statistics.median(t_plain), statistics.median(t_elastic)
+    p, e = min(t_plain), min(t_elastic)
     ratio = e / p
+    # Per round, the two pools ran back to back: the median of those ratios is the
+    # figure least moved by other work on a shared machine; min and median beside it.
+    paired = statistics.median(b / a for a, b in zip(t_plain, t_elastic))
     print(f"block pool, stationary load: 48 requests, one finishing and one arriving per step, {steps} steps "
-          f"({blocks_per_step:.0f} blocks allocated + freed per step), median of {rounds} rounds")
-    print(f"  vLLM BlockPool                      {p * 1e9:8.0f} ns/block")
-    print(f"  kvcached ElasticBlockPool           {e * 1e9:8.0f} ns/block  (its per-step work included; "
-          f"{maps} pages mapped after warm-up)")
+          f"({blocks_per_step:.0f} blocks allocated + freed per step), {rounds} rounds, CPU time")
+    print(f"  vLLM BlockPool                      {p * 1e9:8.0f} ns/block best, "
+          f"{statistics.median(t_plain) * 1e9:.0f} median")
+    print(f"  kvcached ElasticBlockPool           {e * 1e9:8.0f} ns/block best, "
+          f"{statistics.median(t_elastic) * 1e9:.0f} median (per-step work included; {maps} pages mapped)")
     print(f"  of which the per-step work          {per_step * 1e6:8.1f} us/step  "
           f"({per_step / blocks_per_step * 1e9:.0f} ns/block at this load)")
-    print(f"  ratio elastic / vLLM: {ratio:.2f}x ({'within' if ratio <= 1.3 else 'OVER'} the 1.3x target)")
-    return ratio
+    print(f"  ratio elastic / vLLM: {paired:.2f}x median of paired rounds, {ratio:.2f}x best to best "
+          f"({'within' if paired <= 1.3 else 'OVER'} the 1.3x target)")
+    return paired
 
 
 def bench_trace(seed: int = 3) -> float:
@@ -215,8 +230,8 @@ def bench_trace(seed: int = 3) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=1500)
     args = ap.parse_args(argv)
     import logging
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import threading
 import time
 import weakref
 from collections.abc import Iterable
@@ -64,43 +63,34 @@ UNMAPPED, MAPPED, RELEASING = 0, 1, 2
 
 
 class InFlight:
-    """Which scheduled batches may still be running on the workers."""
+    """Which scheduled batches may still be running on the workers (the scheduler's thread only)."""
 
     def __init__(self) -> None:
         self.issued = 0
-        self._open: dict[int, int] = {}  # seq -> id(scheduler output)
-        self._lock = threading.Lock()
+        # seq -> the batch's scheduler output, weakly: a batch dropped without its
+        # output being processed (an engine reset) must not hold back every release.
+        self._open: dict[int, Any] = {}
 
     def issue(self, output: object) -> None:
         """A batch was scheduled (its workers may run it from now on)."""
-        with self._lock:
-            self.issued += 1
-            seq = self.issued
-            self._open[seq] = id(output)
+        self.issued += 1
         try:
-            # A batch dropped without its output being processed (an engine
-            # reset) must not hold back every later release.
-            weakref.finalize(output, self._close, seq)
-        except TypeError:
-            pass
+            self._open[self.issued] = weakref.ref(output)
+        except TypeError:  # not weakly referenceable: then only its output closes it
+            self._open[self.issued] = lambda output=output: output
 
     def complete(self, output: object) -> None:
         """The batch's output came back: its workers are done with it."""
-        key = id(output)
-        with self._lock:
-            for seq, k in list(self._open.items()):
-                if k == key:
-                    del self._open[seq]
-                    break
-
-    def _close(self, seq: int) -> None:
-        with self._lock:
-            self._open.pop(seq, None)
+        for seq, ref in self._open.items():
+            if ref() is output:
+                del self._open[seq]
+                return
 
     def finished_through(self) -> int:
         """Every batch up to this sequence number has finished."""
-        with self._lock:
-            return min(self._open) - 1 if self._open else self.issued
+        for seq in [s for s, ref in self._open.items() if ref() is None]:
+            del self._open[seq]
+        return min(self._open) - 1 if self._open else self.issued
 
 
 @dataclass(frozen=True)
@@ -118,7 +108,7 @@ class ElasticBlockPool(BlockPool):
     """A BlockPool whose blocks live in pages mapped on demand, under the segment's limit.
 
     Like vLLM's BlockPool it is used from the scheduler's thread only, so it
-    takes no lock (only `InFlight`, which garbage collection may reach, has one).
+    takes no lock.
     """
 
     def __init__(self, *args: Any, elastic: ElasticSetup, **kwargs: Any) -> None:
@@ -177,9 +167,8 @@ class ElasticBlockPool(BlockPool):
     def get_num_free_blocks(self) -> int:
         """Free blocks of mapped pages, plus what the limit still lets us map; 0 while over it."""
         # Called for every request the scheduler looks at: _spare is kept by _recount.
-        if self._spare < 0:
-            return 0
-        return self.free_block_queue.num_free_blocks + self._spare
+        spare = self._spare
+        return 0 if spare < 0 else self.free_block_queue.num_free_blocks + spare
 
     def _recount(self) -> None:
         """Blocks the pages the limit still allows would add (-1: over the limit); after every change."""
@@ -212,12 +201,13 @@ class ElasticBlockPool(BlockPool):
         short = num_blocks - self.free_block_queue.num_free_blocks
         if short > 0:
             self._grow(short)
-        return super().get_new_blocks(num_blocks)
+        # BlockPool's own, named: a zero-argument super() costs a block's worth here (bench_elastic.py).
+        return BlockPool.get_new_blocks(self, num_blocks)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """vLLM's free; over the limit, the pages it empties are released at once."""
         # Nothing per block (bench_elastic.py): pages are judged by _trim, a few times a second.
-        super().free_blocks(ordered_blocks)
+        BlockPool.free_blocks(self, ordered_blocks)
         if self.mapped_count > self.max_pages:
             self._trim()
 

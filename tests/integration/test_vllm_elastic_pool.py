@@ -357,3 +357,25 @@ def test_free_pages_stay_a_while_under_load_and_go_at_once_when_idle(serve, elas
         assert s.mapped_bytes() == 2 * PB
 
     es.check_or_fail(elastic, check)
+
+
+def test_in_flight_batches_close_when_their_output_returns_or_they_are_dropped() -> None:
+    import gc
+
+    from kvcached.integration.vllm_blockpool import InFlight
+
+    class Batch:
+        pass
+
+    inflight = InFlight()
+    a, b, c = Batch(), Batch(), Batch()
+    for batch in (a, b, c):
+        inflight.issue(batch)
+    assert inflight.finished_through() == 0
+    inflight.complete(b)                 # out of order: a still runs
+    assert inflight.finished_through() == 0
+    inflight.complete(a)
+    assert inflight.finished_through() == 2
+    del c, batch                         # an engine reset dropped it without an output
+    gc.collect()
+    assert inflight.finished_through() == 3 == inflight.issued
