@@ -9,6 +9,8 @@ another's measurement.
 2. bench_gc.py         gc dry run vs a bare lstat+connect+stat loop (1,000 and 2,000
                        deployments), the /proc fact pass vs `ss -xap`, owner cleanup
 3. bench_pages.py      extension map+unmap vs a bare mmap/munmap loop; pool alloc/free
+4. bench_elastic.py    vLLM's BlockPool vs kvcached's elastic one (cost per block), and
+                       the memory mapped for a bursty trace vs vLLM's full preallocation
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = [["bench_cli_start.py"], ["bench_gc.py"], ["bench_pages.py"]]
+SCRIPTS = [["bench_cli_start.py"], ["bench_gc.py"], ["bench_pages.py"], ["bench_elastic.py"]]
 
 
 def main() -> int:

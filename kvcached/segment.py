@@ -187,3 +187,62 @@ def has_mark(name: str, dir_fd: int) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+class LimitWatch:
+    """A segment's limit for a loop that reads it every step (an engine's scheduler).
+
+    `read_segment` opens, locks, reads and closes: about 15 us, most of a
+    block pool's per-step cost. This keeps the file open and reads the limit
+    with one unlocked ``pread``: a value being rewritten under the
+    writer's lock could be read torn, so a value that changed is taken only
+    once two reads in a row agree. The
+    path is stat'ed at most every `recheck` seconds, so a segment replaced
+    under the same name (a relaunch, upstream's recreate-on-open) is followed
+    to its new inode within that time.
+    """
+
+    def __init__(self, path: str, recheck: float = 0.1) -> None:
+        self.path = path
+        self.recheck = recheck
+        self._fd: int | None = None
+        self._ident: tuple[int, int] | None = None
+        self._checked = 0.0
+        self._last = b""
+        self._value = 0
+
+    def read(self) -> int:
+        """The limit (total) now; raises SegmentMissing / NotASegment like `read_segment`."""
+        now = time.monotonic()
+        if self._fd is None or now - self._checked >= self.recheck:
+            try:
+                st = os.stat(self.path, follow_symlinks=False)
+            except FileNotFoundError:
+                self.close()
+                raise SegmentMissing(self.path) from None
+            if (st.st_dev, st.st_ino) != self._ident:
+                self.close()
+                self._fd = _open_checked(self.path, os.O_RDONLY)
+                self._ident = (st.st_dev, st.st_ino)
+            self._checked = now
+        assert self._fd is not None
+        raw = os.pread(self._fd, 8, 0)
+        if raw == self._last:
+            return self._value
+        # Changed (or first read): a torn value cannot be read the same way twice in a row.
+        for _ in range(100):
+            again = os.pread(self._fd, 8, 0)
+            if len(again) != 8:
+                raise NotASegment(self.path, "truncated while reading")
+            if again == raw:
+                self._last, self._value = raw, int(struct.unpack("=q", raw)[0])
+                return self._value
+            raw = again
+        return read_segment(self.path).total  # rewritten all along: take the lock after all
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            self._ident = None

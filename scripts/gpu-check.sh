@@ -5,7 +5,11 @@
 # 2. runs tests/ext/test_kvpages_cuda.py (DLPack export, close refused while
 #    exported, device resolution, fork guard, no leaks, ...);
 # 3. checks pages with real CUDA tensors: map, write with a kernel, read back,
-#    unmap, remap, write and read again, memory returned.
+#    unmap, remap, write and read again, memory returned;
+# 4. checks the elastic KV buffer that vLLM's layers become views of (block-pool):
+#    groups of blocks mapped, every block written by a kernel through per-layer
+#    views and read back, a group unmapped and mapped again (reads as zeros,
+#    takes writes, its neighbour untouched), memory returned. Needs no vLLM.
 #
 # Prints exactly one line per check, "PASS name", "FAIL name: why" or
 # "SKIP name: why" (a test skipped for a stated reason), then one summary
@@ -158,11 +162,81 @@ def check_memory_returned(ctx):
 
 
 # --- Hook: later checks --------------------------------------------------------
-# The block pool check (KVPool allocating and freeing blocks over CUDA pages)
-# goes here: define `check_block_pool(ctx)`, raising on failure, and append
-# ("block-pool", check_block_pool) to LATER_CHECKS. Each entry prints one
-# PASS/FAIL line like the checks above.
-LATER_CHECKS: list = []
+# Each entry of LATER_CHECKS prints one PASS/FAIL line like the checks above.
+
+
+def check_block_pool(ctx):
+    """The elastic KV buffer (what vLLM's layers become views of) on CUDA, blocks mapped by group.
+
+    4 layers in vLLM's layer-outer layout, blocks of 32 KiB (16 tokens x 8
+    heads x 64 x fp16 x K,V), 64 blocks per 2 MiB page: a group of blocks
+    costs one page in each layer. Map groups, write every block of them with
+    a kernel through per-layer views, read back; unmap a group and map it
+    again: its blocks read as zeros (the buffer zeroes fresh CUDA pages) and
+    take writes, the other group is untouched; at the end the memory is back.
+    Needs no vLLM: this is the path vLLM's tensors take, below its classes.
+    """
+    from kvcached.runtime.kvbuffer import KVBuffer, LocalLink
+    from kvcached.runtime.kvplan import Footprint
+
+    layers, blocks, block = 4, 256, 32 * 1024
+    region = blocks * block
+    fp = Footprint.build(layers * region, blocks, [(block, l * region, block) for l in range(layers)])
+    buf = KVBuffer(fp, PS, device="cuda")
+    link = LocalLink(buf)
+    agreed = link.setup(blocks)
+    if (agreed.blocks_per_page, agreed.pages_per_group) != (64, layers):
+        raise AssertionError(f"geometry {agreed}")
+    raw = buf.tensor()
+    if raw.device.type != "cuda" or raw.data_ptr() != buf.pages.address:
+        raise AssertionError(f"buffer tensor on {raw.device} at {raw.data_ptr():#x}")
+    # One view per layer, [blocks, 8 heads, 16 tokens, 128 halfs], as vLLM lays them out.
+    views = [raw[l * region:(l + 1) * region].view(torch.float16).view(blocks, 8, 16, 128)
+             for l in range(layers)]
+
+    def write(group, seed):
+        for l, v in enumerate(views):
+            for b in buf.plan.block_range(group):
+                v[b].fill_(float((seed + 7 * l + b) % 1000))
+
+    def expect(group, seed):
+        torch.cuda.synchronize()
+        for l, v in enumerate(views):
+            got = v[buf.plan.block_range(group).start:buf.plan.block_range(group).stop].cpu()
+            for i, b in enumerate(buf.plan.block_range(group)):
+                want = float((seed + 7 * l + b) % 1000)
+                if not bool((got[i] == want).all()):
+                    raise AssertionError(f"layer {l} block {b}: {got[i].flatten()[0].item()} != {want}")
+
+    link.map([1, 3])
+    if buf.mapped_bytes != 3 * layers * PS:
+        raise AssertionError(f"{buf.mapped_bytes} bytes mapped for 3 groups (with group 0)")
+    write(1, 11)
+    write(3, 33)
+    expect(1, 11)
+    expect(3, 33)
+    link.unmap([1])
+    link.map([1])
+    torch.cuda.synchronize()
+    if any(bool((v[64:128].cpu() != 0).any()) for v in views):
+        raise AssertionError("a remapped page does not read as zeros")
+    write(1, 55)
+    expect(1, 55)
+    expect(3, 33)
+    # Every tensor over the range must be gone before it can be closed (an export each).
+    views.clear()
+    del raw
+    buf._flat = None
+    gc.collect()
+    link.unmap([1, 3])
+    buf.pages.close()
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    if abs(ctx["free0"] - free) > 4 * MiB:
+        raise AssertionError(f"free memory {ctx['free0']} before, {free} after")
+
+
+LATER_CHECKS: list = [("block-pool", check_block_pool)]
 
 CHECKS = [
     ("pages-map-write-read", check_map_write_read),

@@ -32,6 +32,9 @@ MODULES=(
     vllm.distributed.kv_transfer
     vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector
     vllm.plugins
+    vllm.v1.worker.utils
+    vllm.v1.worker.gpu_model_runner
+    vllm.v1.core.sched.scheduler
 )
 
 # xgrammar is imported by vllm.parser at import time, but its metadata pulls
@@ -43,12 +46,14 @@ NODEPS=(
     apache-tvm-ffi==0.1.15.post2
 )
 
-# The import-time packages vLLM's modules need. oss-harmony is vLLM 0.33's own
+# The import-time packages vLLM's modules need (einops: the worker's KV cache
+# allocation, vllm.v1.worker.utils, which the elastic KV tests drive). oss-harmony is vLLM 0.33's own
 # declared dependency (a fork of openai-harmony); it provides `openai_harmony`.
 TOP=(
     packaging msgspec regex cbor2 pyzmq urllib3 transformers aiohttp requests
     oss-harmony openai pillow pybase64 cachetools prometheus_client cloudpickle
     uvloop py-cpuinfo fastapi partial_json_parser llguidance psutil numpy
+    einops
 )
 
 # The versions tested together (everything those resolve to, less torch's own
@@ -65,6 +70,7 @@ cachetools==8.0.2
 cbor2==6.3.0
 certifi==2026.10.19.post1
 charset-normalizer==3.5.3
+einops==0.8.2
 click==8.5.1
 cloudpickle==3.1.3
 fastapi==0.136.3

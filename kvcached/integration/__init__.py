@@ -17,11 +17,13 @@ ENV_VLLM_PLUGINS = "VLLM_PLUGINS"
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """True when kvcached is switched on: upstream's `ENABLE_KVCACHED=true` or our `KVCACHED_ENABLE=1`."""
+    """True when kvcached is switched on: upstream's `ENABLE_KVCACHED=true`, our `KVCACHED_ENABLE=1`,
+    or `KVCACHED_ELASTIC=1` (elastic KV memory needs the other patches: the worker listener)."""
     env = os.environ if environ is None else environ
     upstream = env.get("ENABLE_KVCACHED", "").strip().lower() in ("true", "1", "yes", "on")
     ours = env.get("KVCACHED_ENABLE", "").strip().lower() in ("1", "true", "yes", "on")
-    return upstream or ours
+    elastic = env.get("KVCACHED_ELASTIC", "").strip().lower() in ("1", "true", "yes", "on")
+    return upstream or ours or elastic
 
 
 def plugin_allowed(environ: Mapping[str, str] | None = None) -> bool:

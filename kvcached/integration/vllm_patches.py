@@ -683,6 +683,40 @@ def _engine_apply() -> Callable[[], None]:
     return undo
 
 
+# Patch: elastic KV (issue 14) ------------------------------------------------
+# The patch itself is kvcached/integration/vllm_elastic.py; only its registration is here.
+
+
+def _elastic_probe() -> tuple[Any, str]:
+    from . import vllm_elastic
+
+    if not vllm_elastic.elastic_enabled():
+        raise _NotNeeded(f"elastic KV memory is off (set {vllm_elastic.ENV_ELASTIC}=1)")
+    try:
+        return vllm_elastic.probe()
+    except vllm_elastic.ShapeError as e:
+        raise _Shape(str(e)) from None
+
+
+def _elastic_apply() -> Callable[[], None]:
+    _elastic_probe()
+    from . import vllm_elastic
+
+    return vllm_elastic.apply()
+
+
+_ELASTIC_TARGETS = (
+    "vllm.v1.executor.abstract:Executor.initialize_from_config",
+    "vllm.v1.worker.utils:allocate_kv_cache",
+    "vllm.v1.core.kv_cache_manager:KVCacheManager.__init__",
+    "vllm.v1.core.kv_cache_coordinator:BlockPool",
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+    "vllm.v1.core.sched.scheduler:Scheduler.finish_requests",
+)
+# End of the elastic KV registration -------------------------------------------
+
+
 # Registry --------------------------------------------------------------------
 
 
@@ -704,6 +738,7 @@ PATCHES: tuple[_Patch, ...] = (
                             f"{M_EXECUTOR}:MultiprocExecutor._init_executor", f"{M_EXECUTOR}:MultiprocExecutor.shutdown",
                             f"{M_ABSTRACT}:Executor.initialize_from_config", f"{M_KV_MANAGER}:KVCacheManager.__init__"),
            _engine_probe, _engine_apply),
+    _Patch("elastic-kv", _ELASTIC_TARGETS, _elastic_probe, _elastic_apply),  # issue 14, vllm_elastic.py
 )
 
 _applied: dict[str, Callable[[], None]] = {}

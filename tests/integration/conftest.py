@@ -41,7 +41,8 @@ def patched(request) -> Iterator[bool]:
     vllm_patches.revert()
     if on:
         applied = vllm_patches.apply()
-        assert all(applied.values()), applied
+        # elastic-kv stays off unless KVCACHED_ELASTIC=1 (its own tests turn it on).
+        assert all(v for k, v in applied.items() if k != "elastic-kv"), applied
     yield on
     vllm_patches.revert()
 
@@ -52,3 +53,28 @@ def _sigterm_untouched() -> Iterator[None]:
     before = signal.getsignal(signal.SIGTERM)
     yield
     assert signal.getsignal(signal.SIGTERM) is before, "kvcached changed this process's SIGTERM disposition"
+
+
+@pytest.fixture
+def elastic(request, monkeypatch, vllm_env) -> Iterator[bool]:
+    """The elastic-kv patch on (param True) or off (False): 64 KiB pages, freed pages released each step.
+
+    The environment is the one the patch reads in every vLLM process: turned
+    on, small CPU pages so that a few blocks make a page, no release delay
+    (its own test sets one). Reverted after, with the engine plan and the
+    process's buffer forgotten.
+    """
+    from kvcached.integration import vllm_elastic, vllm_patches
+    from kvcached.runtime import kvbuffer
+
+    monkeypatch.setenv("KVCACHED_ELASTIC", "1")
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(64 * 1024))  # elastic_support.PAGE
+    monkeypatch.setenv("KVCACHED_ELASTIC_RELEASE_DELAY_S", "0")
+    on = bool(getattr(request, "param", True))
+    vllm_patches.revert()
+    if on:
+        assert vllm_patches.apply(("elastic-kv",)) == {"elastic-kv": True}
+    yield on
+    vllm_patches.revert()
+    vllm_elastic.forget_engine()
+    kvbuffer.set_local_buffer(None)

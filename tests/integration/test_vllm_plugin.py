@@ -86,6 +86,7 @@ def clean_patches(monkeypatch):
     monkeypatch.delenv("ENABLE_KVCACHED", raising=False)
     monkeypatch.delenv("KVCACHED_ENABLE", raising=False)
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.delenv("KVCACHED_ELASTIC", raising=False)
     yield vllm_patches
     vllm_patches.revert()
     vllm_plugin.unroute_logs()
@@ -203,7 +204,8 @@ def test_unknown_shape_disables_only_that_patch_with_one_warning(clean_patches, 
         first = clean_patches.apply()
         second = clean_patches.apply()
     assert first == second == {"lmcache-shutdown": True, "owner-cleanup": True, "worker-listener": False,
-                               "engine-state": True}
+                               "engine-state": True,
+                               "elastic-kv": False}  # off: KVCACHED_ELASTIC is not set
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "worker-listener" in warnings[0] and "WorkerProc.shutdown" in warnings[0]
     assert WorkerProc.shutdown is shutdown
@@ -218,12 +220,15 @@ def test_detect_reports_conditions_and_patches(clean_patches, monkeypatch) -> No
     conditions = {c.name: c.present for c in report.conditions}
     assert conditions == {"shutdown-timeout-zero": True, "sigterm-reset-before-teardown": True,
                           "lmcache-no-shutdown-forwarding": True}
-    assert all(p.applicable and not p.applied and not p.active for p in report.patches)
+    lifecycle = [p for p in report.patches if p.name != "elastic-kv"]
+    assert all(p.applicable and not p.applied and not p.active for p in lifecycle)
+    elastic = next(p for p in report.patches if p.name == "elastic-kv")  # opt-in, off here
+    assert not elastic.active and "KVCACHED_ELASTIC=1" in elastic.detail
     monkeypatch.setenv("ENABLE_KVCACHED", "true")
-    assert all(p.active and not p.applied for p in clean_patches.detect().patches)
+    assert all(p.active and not p.applied for p in clean_patches.detect().patches if p.name != "elastic-kv")
     clean_patches.apply()
     d = clean_patches.detect().to_dict()
-    assert all(p["applied"] and p["active"] for p in d["patches"].values())
+    assert all(p["applied"] and p["active"] for k, p in d["patches"].items() if k != "elastic-kv")
     assert d["conditions"]["lmcache-no-shutdown-forwarding"]["present"] is True  # vLLM's own class, not ours
     json.dumps(d)
     with pytest.raises(Exception):

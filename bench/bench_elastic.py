@@ -1,0 +1,245 @@
+"""Elastic KV inside vLLM 0.33: block pool cost, and mapped memory on a bursty trace, side by side.
+
+    python bench/bench_elastic.py [--rounds 15] [--steps 1500]
+
+1. vLLM's BlockPool against kvcached's ElasticBlockPool on the same
+   stationary load, driven as the scheduler drives it (get_new_blocks for
+   prompts and for decode growth, free_blocks when a request finishes), with
+   what the patched scheduler adds at each step boundary (end_step,
+   begin_step: limit read, page judgement, publish) counted in, so the cost
+   per block is amortised over the blocks a step moves. Steady state: the
+   working set is mapped before timing; whatever map/unmap the load's swings
+   still cause is counted. Rounds alternate between the two pools, CPU time;
+   the median of the per-round ratios is the figure (best-to-best beside
+   it). Target: <= 1.3x per block.
+2. vLLM's real Scheduler with the elastic pool (TP = 1, the KV cache in this
+   process over memfd pages) on bursts of requests with idle gaps: the peak
+   memory mapped against the peak KV in use (blocks allocated), and against
+   the full preallocation vLLM makes without kvcached. Target: peak mapped
+   <= 1.2x peak in use.
+
+Geometry as a Llama-8B-like layer: 16-token blocks of 8 KV heads x 64 x fp16
+(32 KiB per layer-block), 2 MiB pages, so 64 blocks per page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # tests.integration.elastic_support: the model-less vLLM driver the tests use
+
+os.environ.setdefault("KVCACHED_ELASTIC", "1")
+BLOCK_BYTES = 32 * 1024
+
+
+def _spec() -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, dtype=torch.float16)
+
+
+class _Batch:
+    """Stands for a SchedulerOutput: the pool tracks it weakly until its output comes back."""
+
+
+def _pools(num_blocks: int, seg: str) -> tuple[Any, Any, Any]:
+    """(vLLM's pool, the elastic pool, its KV buffer) over `num_blocks` blocks of one layer."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvcached.integration.vllm_blockpool import ElasticBlockPool, ElasticSetup
+    from kvcached.runtime.kvbuffer import KVBuffer, LocalLink
+    from kvcached.runtime.kvplan import Footprint
+
+    plain = BlockPool(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=16)
+    buf = KVBuffer(Footprint.build(num_blocks * BLOCK_BYTES, num_blocks, [(BLOCK_BYTES, 0, BLOCK_BYTES)]))
+    link = LocalLink(buf)
+    elastic = ElasticBlockPool(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=16,
+                               elastic=ElasticSetup(link, link.setup(num_blocks), seg, reserve_pages=1))
+    return plain, elastic, buf
+
+
+def _script(steps: int, live: int = 48, seed: int = 1) -> list[tuple[int, int]]:
+    """A stationary load as vLLM's scheduler drives its pool, one step at a time.
+
+    Each step: every request grows by a token (a new block every 16 tokens),
+    the oldest request finishes (its blocks freed, tail first) and a new one
+    arrives (8 to 40 blocks for its prompt). Ops: (n > 0, slot) get n blocks
+    for a slot; (0, slot) free the slot's blocks; (-1, 0) a step boundary.
+    """
+    rnd = random.Random(seed)
+    tokens = [rnd.randrange(16) for _ in range(live)]
+    order = list(range(live))  # oldest first
+    ops: list[tuple[int, int]] = [(rnd.randint(8, 40), slot) for slot in range(live)]
+    for _ in range(steps):
+        for slot in range(live):
+            tokens[slot] += 1
+            if tokens[slot] % 16 == 0:
+                ops.append((1, slot))
+        slot = order.pop(0)
+        ops.append((0, slot))
+        ops.append((rnd.randint(8, 40), slot))
+        tokens[slot] = 0
+        order.append(slot)
+        ops.append((-1, 0))
+    return ops
+
+
+def _run(pool: Any, ops: list[tuple[int, int]], step: Callable[[], None] | None) -> tuple[float, int]:
+    """Seconds for the ops, and blocks allocated plus freed; every slot freed at the end."""
+    slots: dict[int, list[Any]] = {}
+    moved = 0
+    get, free = pool.get_new_blocks, pool.free_blocks
+    t0 = time.process_time()  # CPU time: other work on a shared machine weighs less on it
+    for n, slot in ops:
+        if n > 0:
+            slots.setdefault(slot, []).extend(get(n))
+            moved += n
+        elif n == 0:
+            blocks = slots.pop(slot)
+            free(blocks[::-1])  # as vLLM frees a request: tail first
+            moved += len(blocks)
+        elif step is not None:
+            step()
+    elapsed = time.process_time() - t0
+    for blocks in slots.values():
+        free(blocks)
+    return elapsed, moved
+
+
+def bench_pool(rounds: int, steps: int) -> float:
+    from kvcached.segment import create_segment
+
+    ops = _script(steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        seg = os.path.join(tmp, "seg")
+        create_segment(seg, 1 << 40)
+        plain, elastic, buf = _pools(8192, seg)
+
+        batch = [object()]
+
+        def step() -> None:  # what the patched update_from_output and schedule add to a step
+            elastic.inflight.complete(batch[0])
+            elastic.end_step()
+            elastic.begin_step()
+            batch[0] = _Batch()
+            elastic.inflight.issue(batch[0])
+
+        _run(plain, ops, None)  # warm both: the working set gets mapped here
+        _run(elastic, ops, step)
+        maps = buf.pages.num_mapped
+        t_plain: list[float] = []
+        t_elastic: list[float] = []
+        for _ in range(rounds):
+            sec, n = _run(plain, ops, None)
+            t_plain.append(sec / n)
+            sec, n = _run(elastic, ops, step)
+            t_elastic.append(sec / n)
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            step()
+        per_step = (time.perf_counter() - t0) / 2000
+        blocks_per_step = n / steps
+    p, e = min(t_plain), min(t_elastic)
+    ratio = e / p
+    # Per round, the two pools ran back to back: the median of those ratios is the
+    # figure least moved by other work on a shared machine; min and median beside it.
+    paired = statistics.median(b / a for a, b in zip(t_plain, t_elastic))
+    print(f"block pool, stationary load: 48 requests, one finishing and one arriving per step, {steps} steps "
+          f"({blocks_per_step:.0f} blocks allocated + freed per step), {rounds} rounds, CPU time")
+    print(f"  vLLM BlockPool                      {p * 1e9:8.0f} ns/block best, "
+          f"{statistics.median(t_plain) * 1e9:.0f} median")
+    print(f"  kvcached ElasticBlockPool           {e * 1e9:8.0f} ns/block best, "
+          f"{statistics.median(t_elastic) * 1e9:.0f} median (per-step work included; {maps} pages mapped)")
+    print(f"  of which the per-step work          {per_step * 1e6:8.1f} us/step  "
+          f"({per_step / blocks_per_step * 1e9:.0f} ns/block at this load)")
+    print(f"  ratio elastic / vLLM: {paired:.2f}x median of paired rounds, {ratio:.2f}x best to best "
+          f"({'within' if paired <= 1.3 else 'OVER'} the 1.3x target)")
+    return paired
+
+
+def bench_trace(seed: int = 3) -> float:
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    from kvcached.integration import vllm_elastic, vllm_patches
+    from kvcached.runtime import kvbuffer
+    from kvcached.segment import create_segment
+    from tests.integration import elastic_support as es
+
+    assert vllm_patches.apply(("elastic-kv",)) == {"elastic-kv": True}
+    rnd = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        seg = os.path.join(tmp, "seg")
+        create_segment(seg, 1 << 40)
+        vc = es.vllm_config(tmp, prefix_caching=False, max_num_seqs=64, max_batched=2048)
+        groups = [KVCacheGroupSpec(["model.layers.0.attn"], _spec())]
+        cfg = es.kv_cache_config(vc, 4096, groups=groups)
+        vllm_elastic.prepare_engine([cfg], "local", segment_path=seg)
+        kv = es.allocate(cfg, vc)
+        buf = kvbuffer.local_buffer()
+        assert buf is not None
+        full = sum({v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v in kv.values()}.values())
+        sched = es.scheduler(vc, cfg)
+        pool = sched.kv_cache_manager.block_pool
+        driver = es.Driver(sched)
+        peak_used = peak_mapped = 0
+        sum_used = sum_mapped = 0
+        steps = 0
+        for burst in range(6):
+            n = rnd.randint(8, 40)
+            driver.add(es.request(f"b{burst}r{i}", [rnd.randrange(900) for _ in range(rnd.randint(64, 900))],
+                                  rnd.randint(16, 200)) for i in range(n))
+            for _ in range(rnd.randint(60, 160)):  # the burst runs, then an idle gap
+                if sched.has_requests():
+                    driver.step()
+                else:
+                    pool.begin_step()
+                used = sum(1 for b in pool.blocks if b.ref_cnt > 0 and not b.is_null) * BLOCK_BYTES
+                mapped = buf.mapped_bytes
+                peak_used, peak_mapped = max(peak_used, used), max(peak_mapped, mapped)
+                sum_used += used
+                sum_mapped += mapped
+                steps += 1
+        driver.run()
+    vllm_patches.revert()
+    vllm_elastic.forget_engine()
+    kvbuffer.set_local_buffer(None)
+    del torch
+    ratio = peak_mapped / peak_used
+    mib = 1 << 20
+    print(f"bursty trace: 6 bursts of 8-40 requests (64-900 prompt, 16-200 output tokens), idle gaps; "
+          f"{steps} steps, vLLM Scheduler, {pool.blocks_per_page} blocks per 2 MiB page")
+    print(f"  peak KV in use (blocks allocated)   {peak_used / mib:8.1f} MiB")
+    print(f"  peak mapped, kvcached               {peak_mapped / mib:8.1f} MiB  ({ratio:.2f}x the peak in use; "
+          f"{'within' if ratio <= 1.2 else 'OVER'} the 1.2x target)")
+    print(f"  vLLM's full preallocation           {full / mib:8.1f} MiB  ({full / peak_used:.2f}x the peak in use)")
+    print(f"  mean over steps: in use {sum_used / steps / mib:.1f} MiB, mapped {sum_mapped / steps / mib:.1f} MiB, "
+          f"preallocated {full / mib:.1f} MiB")
+    return ratio
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=1500)
+    args = ap.parse_args(argv)
+    import logging
+
+    logging.disable(logging.WARNING)  # vLLM's start-up chatter; the figures are printed below
+    bench_pool(args.rounds, args.steps)
+    bench_trace()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

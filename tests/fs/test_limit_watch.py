@@ -1,0 +1,42 @@
+"""LimitWatch: the segment's limit read every scheduler step, following kvctl limit and a replaced file."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvcached.errors import NotASegment, SegmentMissing
+from kvcached.segment import LimitWatch, create_segment, write_segment
+
+
+def test_follows_the_limit_and_a_replaced_segment(tmp_path) -> None:
+    path = str(tmp_path / "seg")
+    create_segment(path, 1000)
+    watch = LimitWatch(path, recheck=0.0)
+    assert watch.read() == 1000
+    write_segment(path, total=4096, used=10)  # what kvctl limit does, from anywhere
+    assert watch.read() == 4096
+    os.unlink(path)                           # a relaunch replaced it under the same name
+    create_segment(path, 77)
+    assert watch.read() == 77
+    os.unlink(path)
+    with pytest.raises(SegmentMissing):
+        watch.read()
+    with open(path, "wb") as f:
+        f.write(b"\0" * 8)                    # not a segment
+    with pytest.raises(NotASegment):
+        watch.read()
+    watch.close()
+    watch.close()
+
+
+def test_reads_without_reopening_between_rechecks(tmp_path) -> None:
+    path = str(tmp_path / "seg")
+    create_segment(path, 5)
+    watch = LimitWatch(path, recheck=3600.0)
+    assert watch.read() == 5
+    fd = watch._fd
+    write_segment(path, total=6)
+    assert watch.read() == 6 and watch._fd == fd  # the same open file: one pread per step
+    watch.close()
