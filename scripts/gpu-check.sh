@@ -231,6 +231,7 @@ def check_block_pool(ctx):
     link.unmap([1, 3])
     buf.pages.close()
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # torch's own cache is not our pages' memory
     free, _ = torch.cuda.mem_get_info()
     if abs(ctx["free0"] - free) > 4 * MiB:
         raise AssertionError(f"free memory {ctx['free0']} before, {free} after")

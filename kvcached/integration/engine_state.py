@@ -85,6 +85,7 @@ class EngineState:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.released = False
+        self._deferred = False  # the elastic block pool publishes used/prealloc instead
 
     def claim(self, limit: Limit) -> ClaimedSegment | None:
         """Create, join or replace the segment with `limit`, and hold its lease. Never raises."""
@@ -158,10 +159,14 @@ class EngineState:
         used = int(self.kv_bytes * share)
         self.publish(used, self.kv_bytes - used)
 
+    def defer_usage(self) -> None:
+        """Another publisher owns used/prealloc from now on (the elastic block pool, which knows the mapped pages)."""
+        self._deferred = True
+
     def publish(self, used: int, prealloc: int) -> None:
         """Write used/prealloc to the claimed segment when they changed. Never raises."""
         seg = self.segment
-        if seg is None or self.released or self._published == (used, prealloc):
+        if seg is None or self.released or self._deferred or self._published == (used, prealloc):
             return
         try:
             write_segment(seg.path, used=used, prealloc=prealloc)

@@ -104,6 +104,18 @@ class ElasticSetup:
     release_delay: float = 1.0  # seconds a page stays all free before it is released (while busy)
 
 
+def _take_over_usage() -> None:
+    """From now on this pool publishes used/prealloc: the engine's own (whole-cache) figures would contradict it."""
+    try:
+        from .engine_state import current_engine
+
+        engine = current_engine()
+        if engine is not None:
+            engine.defer_usage()
+    except Exception as e:  # the figures are informational: never fail the engine for them
+        log.debug("kvcached: engine usage not handed over: %s", e)
+
+
 class ElasticBlockPool(BlockPool):
     """A BlockPool whose blocks live in pages mapped on demand, under the segment's limit.
 
@@ -154,6 +166,7 @@ class ElasticBlockPool(BlockPool):
         self._missing_warned = False
         self._refresh_limit()
         self._recount()
+        _take_over_usage()
         self._publish(force=True)
         log.info("kvcached: elastic block pool: %d blocks in %d pages of %d blocks (%d bytes each per rank), "
                  "limit %d bytes", n, self.num_pages, g, self.page_bytes, self.limit)

@@ -299,10 +299,18 @@ def prepare_engine(kv_cache_configs: Sequence[Any], mode: str, tp_size: int = 1,
     if mode not in ("local", "sockets"):
         raise ValueError(f"unknown mode {mode!r}")
     if segment_path is None:
-        from ..naming import ipc_name_from_env
-        from . import layout_from_env
+        from .engine_state import claimed_segment
 
-        segment_path = layout_from_env().segment_path(ipc_name_from_env())
+        # The segment this engine claimed when its executor started (engine-state),
+        # else the deployment's by name, picked up once someone creates it.
+        claimed = claimed_segment()
+        if claimed is not None:
+            segment_path = claimed.path
+        else:
+            from ..naming import ipc_name_from_env
+            from . import layout_from_env
+
+            segment_path = layout_from_env().segment_path(ipc_name_from_env())
     for cfg in kv_cache_configs:
         setattr(cfg, MARK, True)
     _engine = EnginePlan(mode, tp_size, pp_size, segment_path)

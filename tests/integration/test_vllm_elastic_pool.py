@@ -379,3 +379,36 @@ def test_in_flight_batches_close_when_their_output_returns_or_they_are_dropped()
     del c, batch                         # an engine reset dropped it without an output
     gc.collect()
     assert inflight.finished_through() == 3 == inflight.issued
+
+
+def test_the_pool_maps_under_the_engines_claimed_segment_and_alone_publishes_usage(tmp_path, layout, uniq,
+                                                                                    elastic) -> None:
+    """With engine-state on too (issue 12), the elastic pool takes its limit from the segment the engine
+    claimed, and from then on the engine's whole-cache figures no longer overwrite the pool's."""
+    from kvcached.integration.engine_state import EngineState, register
+    from kvcached.integration.limits import Limit
+
+    name = f"{uniq}claimed"  # not the name the environment gives: only the claim says which segment
+    engine = EngineState(layout, name)
+    register(engine)
+    try:
+        assert engine.claim(Limit(64 * PB, "test")) is not None
+        vc = es.vllm_config(str(tmp_path))
+        cfg = es.kv_cache_config(vc, NUM_BLOCKS)
+        engine.track_kv_cache(NUM_BLOCKS * 1 << 20)  # what engine-state publishes: the whole cache, preallocated
+        assert read_segment(layout.segment_path(name)).prealloc == NUM_BLOCKS * 1 << 20
+        plan = vllm_elastic.prepare_engine([cfg], "local")
+        assert plan.segment_path == layout.segment_path(name)
+        es.allocate(cfg, vc)
+        sched = es.scheduler(vc, cfg)
+        pool = sched.kv_cache_manager.block_pool
+        assert pool.segment_path == layout.segment_path(name)
+        mapped = pool.mapped_count * pool.page_bytes
+        assert read_segment(layout.segment_path(name)).prealloc + read_segment(layout.segment_path(name)).used \
+            == mapped < NUM_BLOCKS * 1 << 20
+        engine.publish_usage()
+        engine.publish(0, NUM_BLOCKS * 1 << 20)
+        info = read_segment(layout.segment_path(name))
+        assert info.used + info.prealloc == mapped, "the engine's figures overwrote the pool's"
+    finally:
+        engine.release()

@@ -264,7 +264,8 @@ def test_vllm_plugins_excluding_kvcached_makes_every_patch_inactive(clean_patche
     assert results["vllm-plugins"].fix.startswith("export VLLM_PLUGINS=lora_resolver,kvcached")
     assert all("inactive" in results[f"vllm-patch:{n}"].summary for n in ALL_PATCHES)
     monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver,kvcached")
-    assert all(p["active"] for p in clean_patches.detect().to_dict()["patches"].values())
+    patches = clean_patches.detect().to_dict()["patches"]
+    assert all(patches[n]["active"] for n in ALL_PATCHES)  # elastic-kv: opt-in, off without KVCACHED_ELASTIC
 
 
 def test_detect_without_vllm_reports_why(monkeypatch) -> None:
