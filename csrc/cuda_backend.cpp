@@ -22,12 +22,12 @@
 #include <cuda.h>
 #include <dirent.h>
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
-#include <fstream>
 #include <mutex>
 #include <set>
 #include <vector>
@@ -184,6 +184,27 @@ const char* gpus_dir() {
   return dir != nullptr && *dir != '\0' ? dir : "/proc/driver/nvidia/gpus";
 }
 
+// The "GPU UUID:" line of one listing entry ("" when unreadable). Plain read(2),
+// not an ifstream: a process that had used iostreams here crashed (SIGSEGV) in
+// a forked child's first CUDA call through torch on an H200 (gpu-check), and
+// counting devices must leave a process fit to fork CUDA workers.
+std::string gpu_uuid(const std::string& path) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "";
+  char buf[4096];
+  ssize_t n = read(fd, buf, sizeof(buf) - 1);
+  close(fd);
+  if (n <= 0) return "";
+  std::string text(buf, static_cast<std::size_t>(n));
+  std::size_t at = text.find("GPU UUID:");
+  if (at == std::string::npos) return "";
+  std::size_t end = text.find('\n', at);
+  std::string uuid = text.substr(at + 9, end == std::string::npos ? std::string::npos : end - at - 9);
+  uuid.erase(0, uuid.find_first_not_of(" \t"));
+  uuid.erase(uuid.find_last_not_of(" \t\r") + 1);
+  return uuid;
+}
+
 // The GPUs of the listing, each by its UUID ("" when unreadable); false when
 // there is no listing to read.
 bool listed_gpus(std::vector<std::string>* uuids) {
@@ -191,17 +212,7 @@ bool listed_gpus(std::vector<std::string>* uuids) {
   if (dir == nullptr) return false;
   while (dirent* e = readdir(dir)) {
     if (e->d_name[0] == '.') continue;
-    std::ifstream info(std::string(gpus_dir()) + "/" + e->d_name + "/information");
-    std::string line, uuid;
-    while (std::getline(info, line)) {
-      if (line.rfind("GPU UUID:", 0) == 0) {
-        uuid = line.substr(9);
-        uuid.erase(0, uuid.find_first_not_of(" \t"));
-        uuid.erase(uuid.find_last_not_of(" \t\r") + 1);
-        break;
-      }
-    }
-    uuids->push_back(uuid);
+    uuids->push_back(gpu_uuid(std::string(gpus_dir()) + "/" + e->d_name + "/information"));
   }
   closedir(dir);
   return true;
