@@ -1,4 +1,4 @@
-"""Build of the kvcached._kvpages extension; the metadata lives in pyproject.toml.
+"""Build of the kvcached.runtime._kvpages extension; the metadata lives in pyproject.toml.
 
 The extension needs only a C++17 compiler and the CPython headers. The CUDA
 backend is compiled in when cuda.h is found (CUDA_HOME, CUDA_PATH or
@@ -45,7 +45,7 @@ def _extension() -> Extension:
         include_dirs.append(cuda_include)
         macros.append(("KVPAGES_WITH_CUDA", "1"))
     return Extension(
-        "kvcached._kvpages",
+        "kvcached.runtime._kvpages",
         sources=sources,
         include_dirs=include_dirs,
         define_macros=macros,

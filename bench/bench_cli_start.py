@@ -92,10 +92,14 @@ def main() -> int:
           f"{'met' if result['meets_target'] else 'NOT met'})")
     if has_torch:
         t = result["import_torch"]
-        print(f"{args.torch_python} -c 'import torch': median {t['median_ms']} ms  min {t['min_ms']}  p90 {t['p90_ms']}  "
-              f"max {t['max_ms']}")
-        print(f"ratio kvctl / import torch: {result['ratio']} (target <= {TARGET_RATIO}: "
-              f"{'met' if result['meets_ratio'] else 'NOT met'})")
+        print(
+            f"{args.torch_python} -c 'import torch': median {t['median_ms']} ms  min {t['min_ms']}  p90 {t['p90_ms']}  "
+            f"max {t['max_ms']}"
+        )
+        print(
+            f"ratio kvctl / import torch: {result['ratio']} (target <= {TARGET_RATIO}: "
+            f"{'met' if result['meets_ratio'] else 'NOT met'})"
+        )
     else:
         print(result["note"])
     print(f"machine: {result['cpus']} CPUs, load average {' '.join(f'{x:.2f}' for x in result['load_avg'])}")

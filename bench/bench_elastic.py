@@ -117,7 +117,7 @@ def _run(pool: Any, ops: list[tuple[int, int]], step: Callable[[], None] | None)
 
 
 def bench_pool(rounds: int, steps: int) -> float:
-    from kvcached.segment import create_segment
+    from kvcached.node.segment import create_segment
 
     ops = _script(steps)
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,8 +172,8 @@ def bench_trace(seed: int = 3) -> float:
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
     from kvcached.integration import vllm_elastic, vllm_patches
+    from kvcached.node.segment import create_segment
     from kvcached.runtime import kvbuffer
-    from kvcached.segment import create_segment
     from tests.integration import elastic_support as es
 
     assert vllm_patches.apply(("elastic-kv",)) == {"elastic-kv": True}

@@ -38,14 +38,14 @@ import sys
 import tempfile
 import time
 
-from kvcached.cleanup import execute, plan
-from kvcached.decide import Policy
-from kvcached.facts import gather_facts
-from kvcached.ident import fd_handle, file_handle
-from kvcached.layout import Layout
-from kvcached.lease import ofd_conflict, ofd_lock
-from kvcached.owner import WorkerSocketCleanup
-from kvcached.segment import create_segment
+from kvcached.node.cleanup import execute, plan
+from kvcached.node.decide import Policy
+from kvcached.node.facts import gather_facts
+from kvcached.node.ident import fd_handle, file_handle
+from kvcached.node.layout import Layout
+from kvcached.node.lease import ofd_conflict, ofd_lock
+from kvcached.node.owner import WorkerSocketCleanup
+from kvcached.node.segment import create_segment
 
 KVCTL = os.path.join(os.path.dirname(sys.executable), "kvctl")
 
@@ -69,7 +69,7 @@ def make_stale_node(base: str, n: int, tp: int = 4, pp: int = 2) -> Layout:
         name = f"b{i}"
         for stage in range(1, pp):
             os.makedirs(layout.stage_dir(name, stage), 0o700, exist_ok=True)
-        for stage, rank, path in layout.socket_paths(name, tp, pp):
+        for _stage, _rank, path in layout.socket_paths(name, tp, pp):
             s = socket.socket(socket.AF_UNIX)
             s.bind(path)
             s.close()
@@ -181,9 +181,9 @@ def bench_gc(quick: bool) -> None:
             # Interleaved, so that a noisy moment on a small machine hits all three alike.
             loops, checks, libs = [], [], []
             for _ in range(rep):
-                loops.append(timed(lambda: bare_loop(socks, segments), 1))
-                checks.append(timed(lambda: checks_loop(layout), 1))
-                libs.append(timed(lambda: execute(plan(layout, policy), dry_run=True), 1))
+                loops.append(timed(lambda s=socks, g=segments: bare_loop(s, g), 1))
+                checks.append(timed(lambda lay=layout: checks_loop(lay), 1))
+                libs.append(timed(lambda lay=layout, pol=policy: execute(plan(lay, pol), dry_run=True), 1))
             loop, chk, lib = (statistics.median(x) for x in (loops, checks, libs))
             check = execute(plan(layout, policy), dry_run=True)
             would = check.summary()["actions"]["would_remove"]  # type: ignore[index]
@@ -199,15 +199,22 @@ def bench_gc(quick: bool) -> None:
             print(f"    bare lstat+connect+stat loop : {loop * 1000:8.1f} ms")
             print(f"    gc's safety syscalls, bare    : {chk * 1000:8.1f} ms   ratio {chk / loop:5.2f}x "
                   "(scan+act identity checks, no Python objects)")
-            print(f"    gc dry run, in-process        : {lib * 1000:8.1f} ms   ratio {lib / loop:5.2f}x (target <= 2.5x); "
-                  f"{lib / chk:4.2f}x the safety syscalls")
-            print(f"    kvctl gc --dry-run --json     : {cli * 1000:8.1f} ms   ratio {cli / loop:5.2f}x "
-                  f"(end to end, exit {r.returncode})")
+            print(
+                f"    gc dry run, in-process        : {lib * 1000:8.1f} ms   ratio {lib / loop:5.2f}x "
+                "(target <= 2.5x); "
+                f"{lib / chk:4.2f}x the safety syscalls"
+            )
+            print(
+                f"    kvctl gc --dry-run --json     : {cli * 1000:8.1f} ms   ratio {cli / loop:5.2f}x "
+                f"(end to end, exit {r.returncode})"
+            )
         finally:
             shutil.rmtree(base, ignore_errors=True)
     (l1, g1, c1), (l2, g2, c2) = results[1000], results[2000]
-    print(f"  growth 1,000 -> 2,000: in-process {g2 / g1:4.2f}x, kvctl {c2 / c1:4.2f}x, "
-          f"bare loop {l2 / l1:4.2f}x (target <= 2.2x)")
+    print(
+        f"  growth 1,000 -> 2,000: in-process {g2 / g1:4.2f}x, kvctl {c2 / c1:4.2f}x, "
+        f"bare loop {l2 / l1:4.2f}x (target <= 2.2x)"
+    )
 
 
 def _holders(n: int, sockdir: str) -> list[int]:
@@ -334,8 +341,10 @@ def bench_owner(quick: bool) -> None:
     t_typ = statistics.median(typical() for _ in range(rep))
     t_worst = statistics.median(worst() for _ in range(rep))
     print(f"    typical (32 stale)            : {t_typ * 1000:8.1f} ms")
-    print(f"    worst (32 stopped, full backlogs): {t_worst * 1000:8.1f} ms   ratio {t_worst / t_typ:5.2f}x typical; "
-          f"{'within' if t_worst <= 1.5 else 'OVER'} the 1.5 s bound")
+    print(
+        f"    worst (32 stopped, full backlogs): {t_worst * 1000:8.1f} ms   ratio {t_worst / t_typ:5.2f}x typical; "
+        f"{'within' if t_worst <= 1.5 else 'OVER'} the 1.5 s bound"
+    )
 
 
 def main() -> None:
@@ -344,8 +353,9 @@ def main() -> None:
     ap.add_argument("--extra-procs", type=int, default=500)
     ap.add_argument("--only", choices=("gc", "facts", "owner"))
     args = ap.parse_args()
-    print(f"kvcached gc benchmarks: python {sys.version.split()[0]}, {os.cpu_count()} cpus, "
-          f"load {os.getloadavg()[0]:.2f}")
+    print(
+        f"kvcached gc benchmarks: python {sys.version.split()[0]}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}"
+    )
     if args.only in (None, "gc"):
         bench_gc(args.quick)
     if args.only in (None, "facts"):

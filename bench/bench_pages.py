@@ -1,4 +1,4 @@
-"""Map+unmap throughput of kvcached._kvpages against a bare mmap/munmap loop, and pool cost per block.
+"""Map+unmap throughput of kvcached.runtime._kvpages against a bare mmap/munmap loop, and pool cost per block.
 
     python bench/bench_pages.py [--pages 64] [--page-size 2097152] [--rounds 7]
 
@@ -30,9 +30,9 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from kvcached import _kvpages
+from kvcached.node.segment import create_segment
+from kvcached.runtime import _kvpages
 from kvcached.runtime.pool import Geometry, KVPool, LocalMapper
-from kvcached.segment import create_segment
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p

@@ -535,7 +535,7 @@ int cuda_current_device() { return -1; }
 Status make_cuda_backend(std::size_t, std::size_t, int*,
                          std::unique_ptr<Backend>*) {
   return Status::CudaUnavailable(
-      "kvcached._kvpages was built without CUDA support (cuda.h not found "
+      "kvcached.runtime._kvpages was built without CUDA support (cuda.h not found "
       "at build time)");
 }
 

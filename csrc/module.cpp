@@ -1,4 +1,4 @@
-// kvcached._kvpages: reserve a virtual range of pages, map and unmap pages by
+// kvcached.runtime._kvpages: reserve a virtual range of pages, map and unmap pages by
 // index, report which are mapped, export the range as a DLPack tensor. Plain
 // CPython API; no torch headers.
 //
@@ -849,7 +849,7 @@ PyMethodDef module_methods[] = {
 
 PyModuleDef kvpages_module = {
     PyModuleDef_HEAD_INIT,
-    "kvcached._kvpages",
+    "kvcached.runtime._kvpages",
     "Reserved virtual page ranges with per-page physical backing "
     "(CPU memfd backend; CUDA VMM backend loaded at run time).",
     -1,
@@ -859,7 +859,7 @@ PyModuleDef kvpages_module = {
 }  // namespace
 
 PyMODINIT_FUNC PyInit__kvpages(void) {
-  PageRangeType.tp_name = "kvcached._kvpages.PageRange";
+  PageRangeType.tp_name = "kvcached.runtime._kvpages.PageRange";
   PageRangeType.tp_basicsize = sizeof(PageRangeObject);
   PageRangeType.tp_flags = Py_TPFLAGS_DEFAULT;
   PageRangeType.tp_doc =
@@ -906,7 +906,7 @@ PyMODINIT_FUNC PyInit__kvpages(void) {
          ".failed those still mapped; __cause__ is the first failure."},
     };
     for (const ExceptionSpec& e : exceptions) {
-      const std::string qualified = std::string("kvcached._kvpages.") + e.name;
+      const std::string qualified = std::string("kvcached.runtime._kvpages.") + e.name;
       *e.type = PyErr_NewExceptionWithDoc(
           qualified.c_str(), e.doc, e.base ? *e.base : PyExc_RuntimeError, nullptr);
       if (*e.type == nullptr || PyModule_AddObjectRef(m, e.name, *e.type) < 0) {

@@ -87,7 +87,7 @@ def install(command: Any) -> None:
     except ImportError:
         return
 
-    class Light(RuntimeParam):  # type: ignore[misc, valid-type]
+    class Light(RuntimeParam):
         def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
             from typer import BadParameter
 

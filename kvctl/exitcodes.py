@@ -32,11 +32,11 @@ class CliError(Exception):
 
 def _code_for_library(exc: BaseException) -> Exit | None:
     # Imported here so that `kvctl --help` does not pay for the library.
-    from kvcached.errors import InvalidName, KvcachedError, NotASegment, PathTooLong, SegmentMissing
-    from kvcached.gclock import LockBusy
-    from kvcached.gcrun import NoMatch, Refused
-    from kvcached.inspect import ProcessNotFound
-    from kvcached.units import BadValue
+    from kvcached.node.errors import InvalidName, KvcachedError, NotASegment, PathTooLong, SegmentMissing
+    from kvcached.node.gclock import LockBusy
+    from kvcached.node.gcrun import NoMatch, Refused
+    from kvcached.node.units import BadValue
+    from kvcached.node.view import ProcessNotFound
 
     for types, code in (((BadValue, InvalidName, PathTooLong), Exit.USAGE),
                         ((SegmentMissing, ProcessNotFound, NoMatch), Exit.NOT_FOUND),

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 from .render import Cell
 
 if TYPE_CHECKING:
-    from kvcached.inspect import DeploymentView, NodeView
+    from kvcached.node.view import DeploymentView, NodeView
 
 
-def list_row(d: "DeploymentView") -> dict[str, Any]:
+def list_row(d: DeploymentView) -> dict[str, Any]:
     """One segment as `list --json` prints it (kvctl/schemas/list.json)."""
     seg = d.segment_entry()
     assert seg is not None
@@ -26,14 +26,14 @@ def list_row(d: "DeploymentView") -> dict[str, Any]:
             "error": d.segment_error}
 
 
-def list_rows(view: "NodeView") -> list[dict[str, Any]]:
+def list_rows(view: NodeView) -> list[dict[str, Any]]:
     """A row per deployment that has a segment."""
     return [list_row(d) for d in view.deployments if d.segment_entry() is not None]
 
 
 def size_cells(r: dict[str, Any]) -> list[Cell]:
     """LIMIT, USED, PREALLOC, FREE; a negative value is shown as the impossible value it is."""
-    from kvcached.units import format_size
+    from kvcached.node.units import format_size
 
     def cell(v: int | None) -> Cell:
         return (f"{v}!", "bold red") if v is not None and v < 0 else format_size(v)

@@ -27,7 +27,7 @@ class _Keys:
         self.fd = -1
         self.saved: Any = None
 
-    def __enter__(self) -> "_Keys":
+    def __enter__(self) -> _Keys:
         try:
             if sys.stdin.isatty():
                 import termios
@@ -94,7 +94,7 @@ def _captured(draw: Draw, out: Out) -> Any:
 
     buf = io.StringIO()
     draw(Out(buf, styled=out.styled, terminal=True, width=out.console.width))
-    return Group(Text.from_ansi(buf.getvalue()), Text("q: quit", style="dim" if out.styled else None))
+    return Group(Text.from_ansi(buf.getvalue()), Text("q: quit", style="dim" if out.styled else ""))
 
 
 def draw_list(names: Sequence[str], plan_view: Callable[[Sequence[str]], Any]) -> Draw:
@@ -112,7 +112,7 @@ def draw_list(names: Sequence[str], plan_view: Callable[[Sequence[str]], Any]) -
 
 def draw_top(names: Sequence[str], plan_view: Callable[[Sequence[str]], Any], root: str) -> Draw:
     """The `top` frame: every deployment's usage, sockets, processes and orphans."""
-    from kvcached.units import format_size
+    from kvcached.node.units import format_size
 
     def draw(out: Out) -> None:
         view = plan_view(names)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import sys
 import unicodedata
-from typing import IO, TYPE_CHECKING, Any, Callable, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import IO, TYPE_CHECKING, Any, Union
 
 if TYPE_CHECKING:
-    from kvcached.cleanup import Entry, Report
-    from kvcached.inspect import NodeView
+    from kvcached.node.cleanup import Entry, Report
+    from kvcached.node.view import NodeView
 
 Cell = Union[str, tuple[str, str]]  # text, or (text, style)
 
@@ -160,7 +161,7 @@ class Out:
     def _text(self, text: str, style: str) -> Any:
         from rich.text import Text
 
-        return Text(text, style=(style or None) if self.styled else None)
+        return Text(text, style=(style or "") if self.styled else "")
 
     def _write(self, segs: list[tuple[str, str]]) -> None:
         if not self.styled and not self.terminal:
@@ -170,7 +171,7 @@ class Out:
 
         text = Text()
         for t, style in segs:
-            text.append(t, style=(style or None) if self.styled else None)
+            text.append(t, style=(style or "") if self.styled else "")
         self.console.print(text)
 
     def flush(self) -> None:
@@ -190,16 +191,16 @@ def pids(values: Any) -> str:
     return ",".join(map(str, items[:4])) + (f",+{len(items) - 4}" if len(items) > 4 else "")
 
 
-def _entry_label(e: "Entry", base: str | None) -> str:
+def _entry_label(e: Entry, base: str | None) -> str:
     path = e.path
     if base and path.startswith(base + "/"):
         path = path[len(base) + 1:]
     return path + ("/" if str(e.kind) == "directory" else "")
 
 
-def render_view(out: Out, view: "NodeView", *, now: float, hint: Callable[[str], str] = lambda c: f"kvctl {c}") -> None:
+def render_view(out: Out, view: NodeView, *, now: float, hint: Callable[[str], str] = lambda c: f"kvctl {c}") -> None:
     """inspect's text; `hint` turns a command into the line to print (with the run's --root, --min-age)."""
-    from kvcached.units import format_duration, format_size
+    from kvcached.node.units import format_duration, format_size
 
     if not view.deployments and not view.unowned:
         out.line(f"No kvcached state under {view.layout.root}.")
@@ -231,7 +232,8 @@ def render_view(out: Out, view: "NodeView", *, now: float, hint: Callable[[str],
         if d.processes:
             prows = []
             for p in d.processes:
-                rank = "-" if p.role.rank is None else f"TP{p.role.rank}" + ("" if p.role.stage is None else f" PP{p.role.stage}")
+                stage = "" if p.role.stage is None else f" PP{p.role.stage}"
+                rank = "-" if p.role.rank is None else f"TP{p.role.rank}{stage}"
                 status: Cell = ("orphaned: " + p.orphan_reason, "bold yellow") if p.orphaned else "running"
                 prows.append([str(p.pid), str(p.role.role), p.role.title, rank, str(p.info.ppid), p.via, status])
             out.table(["PID", "ROLE", "TITLE", "RANK", "PPID", "TIED BY", "STATUS"], prows)
@@ -240,22 +242,38 @@ def render_view(out: Out, view: "NodeView", *, now: float, hint: Callable[[str],
         out.blank()
     if view.unowned:
         out.line(("Not part of any deployment", "bold"))
-        out.table(["KIND", "PATH", "STATE", "REASON", "DETAIL"],
-                  [[str(e.kind), e.path, state_cell(e.state), str(e.decision.reason), e.decision.detail]
-                   for e in view.unowned])
+        out.table(
+            ["KIND", "PATH", "STATE", "REASON", "DETAIL"],
+            [
+                [str(e.kind), e.path, state_cell(e.state), str(e.decision.reason), e.decision.detail]
+                for e in view.unowned
+            ],
+        )
         out.blank()
     if view.orphans:
         killable = {p.pid for _, p in view.killable_orphans()}
         orphan_pids = ", ".join(str(p.pid) for _, p in view.orphans)
-        out.line(("hint: ", "yellow"), f"orphaned process(es) {orphan_pids}"
-                 + (f": {hint('gc --kill-orphans')} terminates them" if killable else
-                    ": not killable by kvctl (engine alive or /proc incomplete)"))
+        out.line(
+            ("hint: ", "yellow"),
+            f"orphaned process(es) {orphan_pids}"
+            + (
+                f": {hint('gc --kill-orphans')} terminates them"
+                if killable
+                else ": not killable by kvctl (engine alive or /proc incomplete)"
+            ),
+        )
     for ns in view.namespaces:
         names = f" ({', '.join(ns.names)})" if ns.names else ""
-        out.line(("note: ", "yellow"), f"kvcached processes in another mount namespace{names}: PIDs {pids(ns.pids)}; "
-                 f"their /tmp or /dev/shm is not this one: {hint(f'inspect --pid {ns.hint_pid}')}")
+        out.line(
+            ("note: ", "yellow"),
+            f"kvcached processes in another mount namespace{names}: PIDs {pids(ns.pids)}; "
+            f"their /tmp or /dev/shm is not this one: {hint(f'inspect --pid {ns.hint_pid}')}",
+        )
     if view.incomplete:
-        out.line(("note: ", "yellow"), f"could not fully read PIDs {pids(view.incomplete)}: state they could own is kept as unknown")
+        out.line(
+            ("note: ", "yellow"),
+            f"could not fully read PIDs {pids(view.incomplete)}: state they could own is kept as unknown",
+        )
     for err in view.errors:
         out.line(("error: ", "red"), err)
     if view.deployments:
@@ -264,19 +282,20 @@ def render_view(out: Out, view: "NodeView", *, now: float, hint: Callable[[str],
         by_state = Counter(str(d.state) for d in view.deployments)
         stale = sum(1 for d in view.deployments for e in d.entries if str(e.state) == "stale")
         stale += sum(1 for e in view.unowned if str(e.state) == "stale")
-        line = f"{len(view.deployments)} deployment(s): " + ", ".join(
-            f"{n} {s}" for s, n in sorted(by_state.items()))
-        out.line(line + (f"; {stale} stale entr{'y' if stale == 1 else 'ies'}: {hint('gc --yes')} removes them"
-                         if stale else ""))
+        line = f"{len(view.deployments)} deployment(s): " + ", ".join(f"{n} {s}" for s, n in sorted(by_state.items()))
+        out.line(
+            line
+            + (f"; {stale} stale entr{'y' if stale == 1 else 'ies'}: {hint('gc --yes')} removes them" if stale else "")
+        )
 
 
 _VERBS = {"removed": "Removed", "would_remove": "Would remove", "kept": "Kept", "failed": "FAILED"}
 
 
-def render_report(out: Out, report: "Report", *, verbose: bool, by_deployment: bool = False) -> None:
+def render_report(out: Out, report: Report, *, verbose: bool, by_deployment: bool = False) -> None:
     """gc's and delete's report: a row per entry (live ones only with -v), or one per deployment; then the summary."""
-    from kvcached.cleanup import Action
-    from kvcached.decide import State
+    from kvcached.node.cleanup import Action
+    from kvcached.node.decide import State
 
     if by_deployment and not verbose:
         render_by_deployment(out, report)
@@ -286,8 +305,16 @@ def render_report(out: Out, report: "Report", *, verbose: bool, by_deployment: b
             if e.action is Action.KEPT and e.state is State.LIVE and not verbose:
                 continue
             detail = e.decision.detail + (f"; {e.note}" if e.note else "")
-            rows.append([(_VERBS[str(e.action)], STATE_STYLE.get(str(e.action), "")), str(e.kind), e.path,
-                         state_cell(e.state), str(e.decision.reason), detail])
+            rows.append(
+                [
+                    (_VERBS[str(e.action)], STATE_STYLE.get(str(e.action), "")),
+                    str(e.kind),
+                    e.path,
+                    state_cell(e.state),
+                    str(e.decision.reason),
+                    detail,
+                ]
+            )
         if rows:
             out.table(["ACTION", "KIND", "PATH", "STATE", "REASON", "DETAIL"], rows, indent=0, fold=(2, 5))
     out.line(summary_line(report) + (f" [{report.summary()['seconds']}s]" if verbose else ""))
@@ -295,7 +322,7 @@ def render_report(out: Out, report: "Report", *, verbose: bool, by_deployment: b
         out.line(("error: ", "red"), err)
 
 
-def render_by_deployment(out: Out, report: "Report") -> None:
+def render_by_deployment(out: Out, report: Report) -> None:
     """One row per deployment: what is (or would be) removed, kept and why, failed. Fits a screen at any node size."""
     from collections import Counter
 
@@ -312,13 +339,20 @@ def render_by_deployment(out: Out, report: "Report") -> None:
         c = acted[dep]
         gone = c["would_remove"] + c["removed"]
         kept = ", ".join(f"{n} {w}" for w, n in sorted(why.get(dep, Counter()).items()))
-        rows.append([dep, (str(gone), "red") if gone else "0", str(c["kept"]),
-                     (str(c["failed"]), "bold red") if c["failed"] else "0", kept or "-"])
+        rows.append(
+            [
+                dep,
+                (str(gone), "red") if gone else "0",
+                str(c["kept"]),
+                (str(c["failed"]), "bold red") if c["failed"] else "0",
+                kept or "-",
+            ]
+        )
     if rows:
         out.table(["DEPLOYMENT", verb, "KEPT", "FAILED", "KEPT BECAUSE"], rows, indent=0, fold=(0, 4))
 
 
-def summary_line(report: "Report") -> str:
+def summary_line(report: Report) -> str:
     """`gc: removed 3, kept 2 (2 live), 1 failed; time limit reached`."""
     s = report.summary()
     acts, states = s["actions"], s["states"]
@@ -362,7 +396,7 @@ def log_line(message: str, level: str = "info") -> None:
         print(f"{stamp} {text}", file=sys.stderr, flush=True)
 
 
-def log_report(report: "Report", command: str = "kvctl gc") -> None:
+def log_report(report: Report, command: str = "kvctl gc") -> None:
     """What cron (stdout to /dev/null) must still see: every failure, a time limit, and the summary."""
     for e in report.failures:
         log_line(f"{command}: FAILED {e.kind} {e.path}: {e.note or e.decision.detail}", "error")

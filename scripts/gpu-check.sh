@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The real-GPU check of the CUDA page backend, from a fresh checkout, offline.
 #
-# 1. builds kvcached._kvpages in place (setup.py build_ext: no pip, no network);
+# 1. builds kvcached.runtime._kvpages in place (setup.py build_ext: no pip, no network);
 # 2. runs tests/ext/test_kvpages_cuda.py (DLPack export, close refused while
 #    exported, device resolution, fork guard, no leaks, ...);
 # 3. checks pages with real CUDA tensors: map, write with a kernel, read back,
@@ -40,7 +40,7 @@ build() {
     return 1
   fi
   "$PY" - <<'PY'
-from kvcached import _kvpages as k
+from kvcached.runtime import _kvpages as k
 n = k.cuda_device_count()
 if not k.cuda_built():
     print("FAIL extension-cuda: built without the CUDA backend (cuda.h not found: set CUDA_HOME)")

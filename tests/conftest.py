@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import pwd
-import subprocess
 import shutil
+import subprocess
 import tempfile
 import time
 import zlib
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcached.layout import Layout
+from kvcached.node.layout import Layout
 
 TEST_USER = "kvctest"
 

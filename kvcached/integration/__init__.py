@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from ..layout import Layout
+from ..node.layout import Layout
 
 ENV_ROOT = "KVCACHED_ROOT"
 PLUGIN_NAME = "kvcached"  # the entry point's name in group vllm.general_plugins

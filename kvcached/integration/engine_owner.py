@@ -5,7 +5,7 @@ supervisor with `--api-server-count > 1` and in headless mode) is the only
 one that reliably outlives them. `EngineOwner` captures the deployment's
 segment and worker sockets once the engines are READY and, once every engine
 process has a confirmed exit code, removes what it captured and nobody serves
-(kvcached.owner does the deciding and the removing). What a still-living
+(kvcached.node.owner does the deciding and the removing). What a still-living
 worker serves is kept and retried in the background until the worker exits.
 
 The same duty serves one level down: an executor owns its worker processes
@@ -33,8 +33,8 @@ import weakref
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..layout import Layout
-from ..owner import OwnerResult, SegmentCleanup, WorkerSocketCleanup
+from ..node.layout import Layout
+from ..node.owner import OwnerResult, SegmentCleanup, WorkerSocketCleanup
 
 log = logging.getLogger("kvcached.integration.engine_owner")
 
@@ -80,6 +80,7 @@ class EngineOwner:
         self._lock = threading.RLock()
         self._retry: threading.Thread | None = None
         self.results: list[OwnerResult] = []
+        self.retries = 0  # retry steps taken after the shutdown (for logs and tests)
 
     def capture(self) -> None:
         """Pin the segment and remember the worker nodes present now (engines READY). Once; never raises."""
@@ -164,6 +165,7 @@ class EngineOwner:
     def retry(self) -> bool:
         """One retry step; True when nothing is left to do."""
         with self._lock:
+            self.retries += 1
             if self.complete or not self.captured:
                 return True
             if not self.exits_confirmed(0.0):
@@ -172,7 +174,7 @@ class EngineOwner:
             return self.complete
 
 
-def _retry_loop(ref: "weakref.ReferenceType[EngineOwner]") -> None:
+def _retry_loop(ref: weakref.ReferenceType[EngineOwner]) -> None:
     # A worker that outlives its engine (its own teardown is slow, or it is
     # stopped) keeps serving its socket; once it exits, the node is unserved
     # and this removes it. Daemon: it never holds the owner's exit up.

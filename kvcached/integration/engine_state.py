@@ -23,11 +23,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..layout import Layout
-from ..lease import SegmentLease
-from ..naming import dp_rank_name, ipc_name_from_env
-from ..owner import SegmentCleanup
-from ..segment import SegmentInfo, write_segment
+from ..node.layout import Layout
+from ..node.lease import SegmentLease
+from ..node.naming import dp_rank_name, ipc_name_from_env
+from ..node.owner import SegmentCleanup
+from ..node.segment import SegmentInfo, write_segment
 from .limits import Limit
 
 log = logging.getLogger("kvcached.integration.engine")
@@ -65,7 +65,7 @@ class ClaimedSegment:
     name: str
     path: str
     limit: int
-    how: str  # created / joined / replaced (kvcached.startup.claim_segment)
+    how: str  # created / joined / replaced (kvcached.node.startup.claim_segment)
     lease: SegmentLease
 
 
@@ -89,7 +89,7 @@ class EngineState:
 
     def claim(self, limit: Limit) -> ClaimedSegment | None:
         """Create, join or replace the segment with `limit`, and hold its lease. Never raises."""
-        from ..startup import claim_segment
+        from ..node.startup import claim_segment
 
         try:
             lease, info, how = claim_segment(self.layout, self.name, limit.total)
@@ -108,7 +108,7 @@ class EngineState:
 
     def serve(self, rank: int = 0, stage: int = 0) -> Any:
         """Serve `[pp<stage>/]w<rank>.sock` from this process (TP = 1: the model runs here). Never raises."""
-        from ..ipc.listener import WorkerListener
+        from ..runtime.ipc.listener import WorkerListener
 
         listener = WorkerListener(self.layout, self.name, rank, stage)
         try:
@@ -176,13 +176,13 @@ class EngineState:
 
     def values(self) -> SegmentInfo | None:
         """What the segment holds now (None without one)."""
-        from ..segment import read_segment
+        from ..node.segment import read_segment
 
         seg = self.segment
         return None if seg is None else read_segment(seg.path)
 
     def release(self) -> None:
-        """Stop serving, drop the lease, remove the segment if no one else holds a lease on it. Idempotent; never raises."""
+        """Stop serving, drop the lease, remove the segment unless another holds its lease; idempotent, never raises."""
         with self._lock:
             if self.released:
                 return

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..units import BadValue, format_size, parse_percent, parse_size
+from ..node.units import BadValue, format_size, parse_percent, parse_size
 
 ENV_LIMIT = "KVCACHED_LIMIT"
 

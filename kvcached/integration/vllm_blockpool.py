@@ -53,9 +53,9 @@ from typing import Any
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
-from kvcached.errors import KvcachedError, SegmentMissing
+from kvcached.node.errors import KvcachedError, SegmentMissing
+from kvcached.node.segment import LimitWatch, write_segment
 from kvcached.runtime.kvbuffer import LinkSetup, WorkerLink
-from kvcached.segment import LimitWatch, write_segment
 
 log = logging.getLogger("kvcached.integration.vllm.blockpool")
 

@@ -27,7 +27,7 @@ does. On, four points change, each found by its shape (docs/VLLM.md):
 
 The limit is the deployment's segment (``layout_from_env().segment_path(
 ipc_name_from_env())``), created and held by the engine's start-up
-(`kvcached.startup.claim_segment`); until it exists the pool is limited only
+(`kvcached.node.startup.claim_segment`); until it exists the pool is limited only
 by vLLM's own KV capacity.
 """
 
@@ -307,7 +307,7 @@ def prepare_engine(kv_cache_configs: Sequence[Any], mode: str, tp_size: int = 1,
         if claimed is not None:
             segment_path = claimed.path
         else:
-            from ..naming import ipc_name_from_env
+            from ..node.naming import ipc_name_from_env
             from . import layout_from_env
 
             segment_path = layout_from_env().segment_path(ipc_name_from_env())
@@ -321,11 +321,6 @@ def forget_engine() -> None:
     """Drop the plan (tests; an engine that did not go elastic)."""
     global _engine
     _engine = None
-
-
-def engine_plan() -> EnginePlan | None:
-    """The plan `prepare_engine` recorded in this process."""
-    return _engine
 
 
 def _executor_mode(executor: Any) -> tuple[str | None, str]:
@@ -365,7 +360,7 @@ def _make_setup(num_blocks: int) -> Any:
             return None
         link = LocalLink(buf)
     else:
-        from ..naming import ipc_name_from_env
+        from ..node.naming import ipc_name_from_env
         from . import layout_from_env
 
         link = SocketLink(layout_from_env(), ipc_name_from_env(), plan.tp_size, plan.pp_size,
@@ -381,7 +376,7 @@ def _make_setup(num_blocks: int) -> Any:
 
 
 def _all_refused(link: Any) -> bool:
-    from kvcached.ipc.client import Client
+    from kvcached.runtime.ipc.client import Client
     from kvcached.runtime.kvbuffer import CMD_INFO
 
     return all(not Client(p, 10.0).call(CMD_INFO).get("elastic") for p in link.paths)
@@ -393,7 +388,7 @@ def _block_pool_factory(*args: Any, **kwargs: Any) -> Any:
     if getattr(_tls, "building", False) and _engine is not None:
         _tls.building = False  # one pool per manager; connectors' own pools stay plain
         num_blocks = kwargs.get("num_gpu_blocks", args[0] if args else None)
-        setup = _make_setup(int(num_blocks))
+        setup = _make_setup(int(num_blocks)) if num_blocks is not None else None
         if setup is not None:
             from .vllm_blockpool import ElasticBlockPool
 

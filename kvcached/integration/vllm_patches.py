@@ -43,7 +43,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from . import ENV_VLLM_PLUGINS, enabled, layout_from_env, plugin_allowed
 from .engine_state import ENV_DP
@@ -311,7 +311,7 @@ def _owner_apply() -> Callable[[], None]:
             if not isinstance(tp, int) or not isinstance(pp, int):
                 log.debug("kvcached: engine manager without a parallel config; no owner cleanup")
                 return
-            from ..naming import dp_rank_name, ipc_name_from_env
+            from ..node.naming import dp_rank_name, ipc_name_from_env
 
             base = ipc_name_from_env()
             start = int(bound("start_index") or 0)
@@ -409,7 +409,7 @@ def start_worker_listener(worker: Any, vllm_config: Any, rank: int) -> Any:
         return worker.__dict__.get(LISTENER_ATTR)
     worker.__dict__[_LISTENER_TRIED] = True
     try:
-        from ..ipc.listener import WorkerListener
+        from ..runtime.ipc.listener import WorkerListener
         from .engine_state import engine_name
 
         parallel = getattr(vllm_config, "parallel_config", None)
@@ -529,7 +529,7 @@ def _device_total() -> int | None:
 
 def engine_limit(vllm_config: Any) -> Any:
     """The limit this engine claims with (KVCACHED_LIMIT, else vLLM's memory share of one device)."""
-    from ..units import BadValue
+    from ..node.units import BadValue
     from .limits import ENV_LIMIT, resolve_limit
 
     share = getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization", 0.9)
@@ -543,7 +543,7 @@ def engine_limit(vllm_config: Any) -> Any:
 
 
 def start_engine(executor: Any, *, serve: bool) -> Any:
-    """After the executor started: the engine's name, its TP=1 socket, its segment. Returns the EngineState; never raises."""
+    """After the executor started: the engine's name, its TP=1 socket, its segment; the EngineState, never raises."""
     global _worker_listener
     try:
         from .engine_state import EngineState, engine_name, register
@@ -596,10 +596,14 @@ def _engine_apply() -> Callable[[], None]:
     from .engine_state import current_engine
 
     uni, mp, base, kv_manager, _ = _engine_probe()
-    originals = [(uni, "_init_executor", uni._init_executor), (uni, "shutdown", uni.shutdown),
-                 (mp, "_init_executor", mp._init_executor), (mp, "shutdown", mp.shutdown),
-                 (base, "initialize_from_config", base.initialize_from_config),
-                 (kv_manager, "__init__", kv_manager.__init__)]
+    originals = [
+        (uni, "_init_executor", uni._init_executor),
+        (uni, "shutdown", uni.shutdown),
+        (mp, "_init_executor", mp._init_executor),
+        (mp, "shutdown", mp.shutdown),
+        (base, "initialize_from_config", base.initialize_from_config),
+        (kv_manager, "__init__", kv_manager.__init__),
+    ]
     orig = {(cls, name): fn for cls, name, fn in originals}
 
     def uni_init(self: Any) -> None:
@@ -623,8 +627,7 @@ def _engine_apply() -> Callable[[], None]:
                 procs = [w.proc for w in getattr(self, "workers", None) or []]
                 tp = self.parallel_config.tensor_parallel_size
                 pp = self.parallel_config.pipeline_parallel_size
-                self.__dict__[WORKERS_ATTR] = EngineOwner(procs, state.layout, [state.name], tp, pp,
-                                                          segments=False)
+                self.__dict__[WORKERS_ATTR] = EngineOwner(procs, state.layout, [state.name], tp, pp, segments=False)
         except Exception as e:
             log.warning("kvcached: worker cleanup not set up: %s", e)
 
@@ -668,11 +671,16 @@ def _engine_apply() -> Callable[[], None]:
         except Exception as e:
             log.warning("kvcached: KV cache usage not followed: %s", e)
 
-    wrappers = {(uni, "_init_executor"): uni_init, (uni, "shutdown"): uni_shutdown,
-                (mp, "_init_executor"): mp_init, (mp, "shutdown"): mp_shutdown,
-                (base, "initialize_from_config"): initialize_from_config, (kv_manager, "__init__"): kv_manager_init}
+    wrappers = {
+        (uni, "_init_executor"): uni_init,
+        (uni, "shutdown"): uni_shutdown,
+        (mp, "_init_executor"): mp_init,
+        (mp, "shutdown"): mp_shutdown,
+        (base, "initialize_from_config"): initialize_from_config,
+        (kv_manager, "__init__"): kv_manager_init,
+    }
     for (cls, name), fn in wrappers.items():
-        functools.update_wrapper(fn, orig[cls, name])
+        functools.update_wrapper(cast(Any, fn), orig[cls, name])
         setattr(fn, _MARK, orig[cls, name])
         setattr(cls, name, fn)
 
@@ -730,14 +738,39 @@ class _Patch:
 
 PATCHES: tuple[_Patch, ...] = (
     _Patch("lmcache-shutdown", (f"{M_LMCACHE}:LMCacheConnectorV1.shutdown",), _lmcache_probe, _lmcache_apply),
-    _Patch("owner-cleanup", (f"{M_UTILS}:CoreEngineProcManager.__init__", f"{M_UTILS}:CoreEngineProcManager.shutdown",
-                             f"{M_UTILS}:wait_for_engine_startup"), _owner_probe, _owner_apply),
-    _Patch("worker-listener", (f"{M_EXECUTOR}:WorkerProc.__init__", f"{M_EXECUTOR}:WorkerProc.worker_busy_loop",
-                                f"{M_EXECUTOR}:WorkerProc.shutdown"), _worker_probe, _worker_apply),
-    _Patch("engine-state", (f"{M_UNIPROC}:UniProcExecutor._init_executor", f"{M_UNIPROC}:UniProcExecutor.shutdown",
-                            f"{M_EXECUTOR}:MultiprocExecutor._init_executor", f"{M_EXECUTOR}:MultiprocExecutor.shutdown",
-                            f"{M_ABSTRACT}:Executor.initialize_from_config", f"{M_KV_MANAGER}:KVCacheManager.__init__"),
-           _engine_probe, _engine_apply),
+    _Patch(
+        "owner-cleanup",
+        (
+            f"{M_UTILS}:CoreEngineProcManager.__init__",
+            f"{M_UTILS}:CoreEngineProcManager.shutdown",
+            f"{M_UTILS}:wait_for_engine_startup",
+        ),
+        _owner_probe,
+        _owner_apply,
+    ),
+    _Patch(
+        "worker-listener",
+        (
+            f"{M_EXECUTOR}:WorkerProc.__init__",
+            f"{M_EXECUTOR}:WorkerProc.worker_busy_loop",
+            f"{M_EXECUTOR}:WorkerProc.shutdown",
+        ),
+        _worker_probe,
+        _worker_apply,
+    ),
+    _Patch(
+        "engine-state",
+        (
+            f"{M_UNIPROC}:UniProcExecutor._init_executor",
+            f"{M_UNIPROC}:UniProcExecutor.shutdown",
+            f"{M_EXECUTOR}:MultiprocExecutor._init_executor",
+            f"{M_EXECUTOR}:MultiprocExecutor.shutdown",
+            f"{M_ABSTRACT}:Executor.initialize_from_config",
+            f"{M_KV_MANAGER}:KVCacheManager.__init__",
+        ),
+        _engine_probe,
+        _engine_apply,
+    ),
     _Patch("elastic-kv", _ELASTIC_TARGETS, _elastic_probe, _elastic_apply),  # issue 14, vllm_elastic.py
 )
 
@@ -808,8 +841,12 @@ def _cond_shutdown_timeout() -> Condition:
         if field is None or field.default is dataclasses.MISSING:
             return Condition(name, None, "EngineArgs has no shutdown_timeout default")
         zero = field.default == 0
-        return Condition(name, zero, f"EngineArgs.shutdown_timeout defaults to {field.default!r}"
-                         + ("; engines are SIGKILLed almost at once after SIGTERM" if zero else ""))
+        return Condition(
+            name,
+            zero,
+            f"EngineArgs.shutdown_timeout defaults to {field.default!r}"
+            + ("; engines are SIGKILLed almost at once after SIGTERM" if zero else ""),
+        )
     except Exception as e:
         return Condition(name, None, f"cannot inspect: {type(e).__name__}: {e}")
 
@@ -829,9 +866,14 @@ def _cond_sigterm_reset() -> Condition:
         if teardown is None:
             return Condition(name, None, "EngineCoreProc.run_engine_core no longer calls engine_core.shutdown()")
         present = dfl is not None and dfl.start() < teardown.start()
-        return Condition(name, present, "EngineCoreProc.run_engine_core restores SIG_DFL for SIGTERM before "
-                         "engine_core.shutdown(): a second SIGTERM kills EngineCore mid-teardown" if present else
-                         "SIGTERM keeps a handler during EngineCore teardown")
+        return Condition(
+            name,
+            present,
+            "EngineCoreProc.run_engine_core restores SIG_DFL for SIGTERM before "
+            "engine_core.shutdown(): a second SIGTERM kills EngineCore mid-teardown"
+            if present
+            else "SIGTERM keeps a handler during EngineCore teardown",
+        )
     except Exception as e:
         return Condition(name, None, f"cannot inspect: {type(e).__name__}: {e}")
 
@@ -842,8 +884,13 @@ def _cond_lmcache() -> Condition:
         cls = _module(M_LMCACHE).LMCacheConnectorV1
         own = cls.__dict__.get("shutdown")
         present = own is None or _is_ours(own)
-        return Condition(name, present, "LMCacheConnectorV1 inherits the base no-op shutdown(): the LMCache engine "
-                         "is never stopped" if present else "LMCacheConnectorV1 defines shutdown()")
+        return Condition(
+            name,
+            present,
+            "LMCacheConnectorV1 inherits the base no-op shutdown(): the LMCache engine is never stopped"
+            if present
+            else "LMCacheConnectorV1 defines shutdown()",
+        )
     except Exception as e:
         return Condition(name, None, f"cannot inspect: {type(e).__name__}: {e}")
 
@@ -868,7 +915,14 @@ def detect() -> VllmReport:
     for p in PATCHES:
         ok, detail = _probe(p)
         is_applied = p.name in _applied
-        patches.append(PatchStatus(p.name, p.targets, ok or is_applied, is_applied,
-                                   is_applied or (ok and on and allowed),
-                                   detail if ok or not is_applied else "applied"))
+        patches.append(
+            PatchStatus(
+                p.name,
+                p.targets,
+                ok or is_applied,
+                is_applied,
+                is_applied or (ok and on and allowed),
+                detail if ok or not is_applied else "applied",
+            )
+        )
     return VllmReport(version, None, on, conditions, tuple(patches), allowed, plugins, ray)

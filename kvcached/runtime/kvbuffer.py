@@ -31,10 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvcached.errors import IpcError
-from kvcached.ipc.client import Client
-from kvcached.ipc.listener import WorkerListener
-from kvcached.layout import Layout
+from kvcached.node.errors import IpcError
+from kvcached.node.layout import Layout
+from kvcached.runtime.ipc.client import Client
+from kvcached.runtime.ipc.listener import WorkerListener
 
 from .kvplan import Footprint, PagePlan, agree_blocks_per_page, min_blocks_per_page
 from .pages import DEFAULT_PAGE_SIZE, Pages, PartialUnmapError, as_tensor

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from kvcached import _kvpages
+from kvcached.runtime import _kvpages
 
 if TYPE_CHECKING:
     import torch

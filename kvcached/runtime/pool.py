@@ -34,11 +34,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvcached.errors import IpcError, KvcachedError, SegmentMissing
-from kvcached.ipc.client import Client
-from kvcached.ipc.listener import WorkerListener
-from kvcached.layout import Layout
-from kvcached.segment import read_segment, write_segment
+from kvcached.node.errors import IpcError, KvcachedError, SegmentMissing
+from kvcached.node.layout import Layout
+from kvcached.node.segment import read_segment, write_segment
+from kvcached.runtime.ipc.client import Client
+from kvcached.runtime.ipc.listener import WorkerListener
 
 from .pages import DEFAULT_PAGE_SIZE, Pages
 

@@ -10,12 +10,12 @@ import sys
 import jsonschema
 import pytest
 
-from kvcached.segment import create_segment
+from kvcached.node.segment import create_segment
 
 from .conftest import KVCTL, REPO, SCHEMAS
 from .test_commands import COMMANDS
 
-HEAVY = {"torch", "vllm", "numpy", "kvcached._kvpages", "kvcached.runtime", "kvcached.integration",
+HEAVY = {"torch", "vllm", "numpy", "kvcached.runtime._kvpages", "kvcached.runtime", "kvcached.integration",
          "pydantic"}  # pydantic: typer's default coercion, which kvctl.coerce avoids (~100 ms)
 
 

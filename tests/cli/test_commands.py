@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from kvcached.harness import start_deployment
-from kvcached.ipc.client import ping
-from kvcached.layout import Layout
-from kvcached.segment import create_segment, read_segment, write_segment
+from kvcached.node.layout import Layout
+from kvcached.node.segment import create_segment, read_segment, write_segment
+from kvcached.runtime.harness import start_deployment
+from kvcached.runtime.ipc.client import ping
 
 from ..fs.helpers import backdate
 from .conftest import KVCTL, assert_one_line_error, invoke, kvctl

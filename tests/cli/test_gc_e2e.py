@@ -7,9 +7,9 @@ import signal
 import subprocess
 import time
 
-from kvcached.gclock import GcLock
-from kvcached.harness import start_deployment
-from kvcached.ipc.client import ping
+from kvcached.node.gclock import GcLock
+from kvcached.runtime.harness import start_deployment
+from kvcached.runtime.ipc.client import ping
 
 from .conftest import KVCTL, Run, assert_one_line_error, kvctl
 

@@ -6,36 +6,62 @@ import os
 
 import pytest
 
-from kvcached.cleanup import Report
-from kvcached.facts import ProcessInfo
-from kvcached.gclock import GcLock, LockBusy, lock_path
-from kvcached.inspect import Role, classify_process
-from kvcached.layout import Layout
-from kvcached.metrics import previous_value, render, write_textfile
+from kvcached.node.cleanup import Report
+from kvcached.node.facts import ProcessInfo
+from kvcached.node.gclock import GcLock, LockBusy, lock_path
+from kvcached.node.layout import Layout
+from kvcached.node.metrics import previous_value, render, write_textfile
+from kvcached.node.view import Role, classify_process
 
 
 def proc(cmdline: tuple[str, ...], comm: str = "python3") -> ProcessInfo:
     return ProcessInfo(1, 0.0, 0, 1, 0, comm, cmdline, None, frozenset(), frozenset(), None, None, frozenset())
 
 
-@pytest.mark.parametrize("cmdline, comm, role, rank, stage", [
-    (("VLLM::EngineCore",), "VLLM::EngineCor", Role.ENGINE, None, None),
-    (("VLLM::Worker_TP0_PP1",), "VLLM::Worker_TP", Role.WORKER, 0, 1),
-    (("VLLM::Worker_TP3",), "VLLM::Worker_TP", Role.WORKER, 3, None),
-    (("python",), "VLLM::Worker_TP", Role.WORKER, None, None),     # title only in comm (truncated)
-    (("VllmWorker-2",), "VllmWorker-2", Role.WORKER, 2, None),
-    (("/usr/bin/python3", "/usr/local/bin/vllm", "serve", "m"), "python3", Role.API, None, None),
-    (("vllm", "serve", "meta-llama/Llama-3"), "vllm", Role.API, None, None),
-    (("python", "-m", "vllm.entrypoints.openai.api_server"), "python", Role.API, None, None),
-    (("VLLM::APIServer",), "VLLM::APIServer", Role.API, None, None),
-    (("sglang::scheduler_TP1",), "sglang::schedul", Role.ENGINE, None, None),
-    (("python", "-m", "kvcached.harness", "--role", "worker", "--name", "x", "--rank", "1", "--stage", "2"),
-     "python", Role.WORKER, 1, 2),
-    (("python", "-m", "kvcached.harness", "--role", "engine", "--name", "x"), "python", Role.ENGINE, None, None),
-    (("python", "-m", "kvcached.harness", "--role", "api", "--name", "x"), "python", Role.API, None, None),
-    (("python", "train.py"), "python", Role.OTHER, None, None),
-    (("bash",), "bash", Role.OTHER, None, None),
-])
+@pytest.mark.parametrize(
+    "cmdline, comm, role, rank, stage",
+    [
+        (("VLLM::EngineCore",), "VLLM::EngineCor", Role.ENGINE, None, None),
+        (("VLLM::Worker_TP0_PP1",), "VLLM::Worker_TP", Role.WORKER, 0, 1),
+        (("VLLM::Worker_TP3",), "VLLM::Worker_TP", Role.WORKER, 3, None),
+        (("python",), "VLLM::Worker_TP", Role.WORKER, None, None),  # title only in comm (truncated)
+        (("VllmWorker-2",), "VllmWorker-2", Role.WORKER, 2, None),
+        (("/usr/bin/python3", "/usr/local/bin/vllm", "serve", "m"), "python3", Role.API, None, None),
+        (("vllm", "serve", "meta-llama/Llama-3"), "vllm", Role.API, None, None),
+        (("python", "-m", "vllm.entrypoints.openai.api_server"), "python", Role.API, None, None),
+        (("VLLM::APIServer",), "VLLM::APIServer", Role.API, None, None),
+        (("sglang::scheduler_TP1",), "sglang::schedul", Role.ENGINE, None, None),
+        (
+            (
+                "python",
+                "-m",
+                "kvcached.runtime.harness",
+                "--role",
+                "worker",
+                "--name",
+                "x",
+                "--rank",
+                "1",
+                "--stage",
+                "2",
+            ),
+            "python",
+            Role.WORKER,
+            1,
+            2,
+        ),
+        (
+            ("python", "-m", "kvcached.runtime.harness", "--role", "engine", "--name", "x"),
+            "python",
+            Role.ENGINE,
+            None,
+            None,
+        ),
+        (("python", "-m", "kvcached.runtime.harness", "--role", "api", "--name", "x"), "python", Role.API, None, None),
+        (("python", "train.py"), "python", Role.OTHER, None, None),
+        (("bash",), "bash", Role.OTHER, None, None),
+    ],
+)
 def test_roles(cmdline, comm, role, rank, stage) -> None:
     info = classify_process(proc(cmdline, comm))
     assert (info.role, info.rank, info.stage) == (role, rank, stage)
@@ -85,20 +111,40 @@ def test_a_planted_link_at_the_lock_path_is_refused(layout) -> None:
 
 
 def test_doctor_lines_from_the_vllm_integration_report() -> None:
-    from kvcached.diagnostics import Status, vllm_results
+    from kvcached.node.diagnostics import Status, vllm_results
 
     report = {  # the shape of kvcached.integration.vllm_patches.detect().to_dict()
-        "schema": "kvcached.vllm/1", "vllm_version": "0.33.0", "error": None, "enabled": False,
+        "schema": "kvcached.vllm/1",
+        "vllm_version": "0.33.0",
+        "error": None,
+        "enabled": False,
         "conditions": {
             "shutdown_timeout_zero": {"name": "shutdown_timeout_zero", "present": True, "detail": "default 0"},
             "sigterm_reset_before_teardown": {"name": "sigterm_reset_before_teardown", "present": True, "detail": ""},
-            "lmcache_shutdown_not_forwarded": {"name": "lmcache_shutdown_not_forwarded", "present": None,
-                                               "detail": "cannot inspect"}},
+            "lmcache_shutdown_not_forwarded": {
+                "name": "lmcache_shutdown_not_forwarded",
+                "present": None,
+                "detail": "cannot inspect",
+            },
+        },
         "patches": {
-            "owner_cleanup": {"name": "owner_cleanup", "targets": ["x"], "applicable": True, "applied": False,
-                              "active": False, "detail": "shape found"},
-            "lmcache_shutdown": {"name": "lmcache_shutdown", "targets": ["y"], "applicable": False, "applied": False,
-                                 "active": False, "detail": "already forwards"}},
+            "owner_cleanup": {
+                "name": "owner_cleanup",
+                "targets": ["x"],
+                "applicable": True,
+                "applied": False,
+                "active": False,
+                "detail": "shape found",
+            },
+            "lmcache_shutdown": {
+                "name": "lmcache_shutdown",
+                "targets": ["y"],
+                "applicable": False,
+                "applied": False,
+                "active": False,
+                "detail": "already forwards",
+            },
+        },
     }
     lines = {r.name: r for r in vllm_results(report)}
     assert lines["vllm"].status is Status.WARN and "0.33.0" in lines["vllm"].summary
@@ -117,17 +163,19 @@ def test_doctor_lines_from_the_vllm_integration_report() -> None:
 
 
 def test_doctor_names_ray_backed_vllm_processes() -> None:
-    """Ray is not covered: doctor warns about Ray-backed vLLM processes it finds, and notes Ray when merely installed."""
+    """Ray is not covered: doctor warns about Ray-backed vLLM processes it finds, and notes Ray merely installed."""
     from types import SimpleNamespace
 
-    from kvcached.diagnostics import Status, ray_results, ray_serves
+    from kvcached.node.diagnostics import Status, ray_results, ray_serves
 
-    procs = [SimpleNamespace(pid=10, cmdline=("vllm", "serve", "m", "--distributed-executor-backend", "ray")),
-             SimpleNamespace(pid=11, cmdline=("ray::RayWorkerProc.initialize_worker",)),
-             SimpleNamespace(pid=12, cmdline=("vllm", "serve", "m", "--data-parallel-backend=ray")),
-             SimpleNamespace(pid=13, cmdline=("vllm", "serve", "m", "--distributed-executor-backend", "mp")),
-             SimpleNamespace(pid=14, cmdline=("ray::IDLE",)),
-             SimpleNamespace(pid=15, cmdline=())]
+    procs = [
+        SimpleNamespace(pid=10, cmdline=("vllm", "serve", "m", "--distributed-executor-backend", "ray")),
+        SimpleNamespace(pid=11, cmdline=("ray::RayWorkerProc.initialize_worker",)),
+        SimpleNamespace(pid=12, cmdline=("vllm", "serve", "m", "--data-parallel-backend=ray")),
+        SimpleNamespace(pid=13, cmdline=("vllm", "serve", "m", "--distributed-executor-backend", "mp")),
+        SimpleNamespace(pid=14, cmdline=("ray::IDLE",)),
+        SimpleNamespace(pid=15, cmdline=()),
+    ]
     assert ray_serves(procs) == [10, 11, 12]
     (warn,) = ray_results(True, [10, 11])
     assert warn.status is Status.WARN and "PID 10, 11" in warn.summary and "not covered" in warn.summary

@@ -15,10 +15,10 @@ from .conftest import kvctl
 NS_CHILD = textwrap.dedent("""
     import subprocess, sys
     # Import first: the checkout itself may live under /tmp, which the mount hides.
-    from kvcached.layout import Layout
-    from kvcached.segment import create_segment
-    from kvcached.ipc.listener import WorkerListener
-    import kvcached.facts, kvcached.scan, kvcached.ipc.protocol  # noqa: F401
+    from kvcached.node.layout import Layout
+    from kvcached.node.segment import create_segment
+    from kvcached.runtime.ipc.listener import WorkerListener
+    import kvcached.node.facts, kvcached.node.scan, kvcached.runtime.ipc.protocol  # noqa: F401
     # Private /tmp and /dev/shm, visible only inside this mount namespace.
     for d in ("/tmp", "/dev/shm"):
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777", "kvctest", d], check=True)

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from kvcached.segment import create_segment, write_segment
+from kvcached.node.segment import create_segment, write_segment
 
 from ..fs.helpers import backdate, stale_socket
 from .conftest import KVCTL, REPO, kvctl
@@ -101,10 +101,11 @@ def test_list_shows_a_segment_held_open_that_nothing_else_names(layout, uniq) ->
     with open(path, "wb") as f:  # upstream's: no mark, no socket directory, no name in any environment
         f.write((2 << 30).to_bytes(8, "little") + bytes(16))
     backdate(path)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; f = open(sys.argv[1], 'rb'); sys.stdin.read()",
-                               path], stdin=subprocess.PIPE)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; f = open(sys.argv[1], 'rb'); print('open', "
+                               "flush=True); sys.stdin.read()", path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
     try:
-        time.sleep(0.3)
+        assert holder.stdout.readline().strip() == "open"
         rows = kvctl("--root", layout.root, "list", "--json").json("list")
         assert [(r["ipc"], r["state"], r["reason"], r["limit_bytes"]) for r in rows] == \
             [(name, "live", "held_open", 2 << 30)]

@@ -3,8 +3,6 @@ entry stays reachable, and machine output exists on every path."""
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
 import signal
 import stat
@@ -13,11 +11,11 @@ import time
 
 import pytest
 
-from kvcached.gclock import GcLock
-from kvcached.segment import create_segment, read_segment, write_segment
+from kvcached.node.gclock import GcLock
+from kvcached.node.segment import create_segment, read_segment, write_segment
 
-from ..fs.helpers import backdate, run_as, stale_socket
-from .conftest import KVCTL, Run, assert_one_line_error, invoke, kvctl, validate
+from ..fs.helpers import backdate, stale_socket
+from .conftest import KVCTL, Run, assert_one_line_error, invoke, kvctl
 
 
 def dead_deployment(layout, name: str, ranks: int = 2, seconds: float = 600) -> list[str]:
@@ -121,15 +119,15 @@ def test_lock_busy_keeps_the_stale_counts(layout, uniq, tmp_path) -> None:
 
 def test_duration_covers_the_whole_run(layout, uniq, tmp_path, monkeypatch) -> None:
     """kvctl_gc_duration_seconds times planning too, not only removal (a slow /proc pass shows)."""
-    import kvcached.gcrun
+    import kvcached.node.gcrun
 
-    real_plan = kvcached.gcrun.plan
+    real_plan = kvcached.node.gcrun.plan
 
     def slow_plan(*a, **kw):  # the clock is what is measured here, not the OS
         time.sleep(0.3)
         return real_plan(*a, **kw)
 
-    monkeypatch.setattr(kvcached.gcrun, "plan", slow_plan)
+    monkeypatch.setattr(kvcached.node.gcrun, "plan", slow_plan)
     prom = str(tmp_path / "kvctl.prom")
     assert invoke("--root", layout.root, "gc", "--dry-run", "--prometheus", prom).code == 0
     assert _metric(prom, "kvctl_gc_duration_seconds")["kvctl_gc_duration_seconds"] >= 0.3

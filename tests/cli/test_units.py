@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached.units import BadValue, format_duration, format_size, parse_duration, parse_percent, parse_size
+from kvcached.node.units import BadValue, format_duration, format_size, parse_duration, parse_percent, parse_size
 from kvctl.exitcodes import Exit
 from kvctl.render import safe
 
@@ -49,26 +49,45 @@ def test_bad_percent(raw: str) -> None:
 
 
 def test_formats() -> None:
-    assert [format_size(n) for n in (None, 0, 100, 1 << 30, 3 << 29, 512 << 20)] == ["-", "0", "100", "1G", "1.5G", "512M"]
+    assert [format_size(n) for n in (None, 0, 100, 1 << 30, 3 << 29, 512 << 20)] == [
+        "-",
+        "0",
+        "100",
+        "1G",
+        "1.5G",
+        "512M",
+    ]
     assert [format_duration(s) for s in (None, 5, 90, 7200, 90000)] == ["-", "5s", "1m", "2h", "1d"]
 
 
-@pytest.mark.parametrize("raw, shown", [
-    ("plain-name_1", "plain-name_1"),
-    ("\x1b[31mred", "\\x1b[31mred"),          # ESC cannot recolour the terminal
-    ("a\rb\nc", "a\\x0db\\x0ac"),              # CR/LF cannot rewrite or split lines
-    ("evil\u202etxt", "evil\\u202etxt"),        # bidi override cannot reorder what is shown
-    ("bad\udcffbyte", "bad\\xffbyte"),          # an undecodable byte of a file name
-    ("naïve ünïcode", "naïve ünïcode"),
-])
+@pytest.mark.parametrize(
+    "raw, shown",
+    [
+        ("plain-name_1", "plain-name_1"),
+        ("\x1b[31mred", "\\x1b[31mred"),  # ESC cannot recolour the terminal
+        ("a\rb\nc", "a\\x0db\\x0ac"),  # CR/LF cannot rewrite or split lines
+        ("evil\u202etxt", "evil\\u202etxt"),  # bidi override cannot reorder what is shown
+        ("bad\udcffbyte", "bad\\xffbyte"),  # an undecodable byte of a file name
+        ("naïve ünïcode", "naïve ünïcode"),
+    ],
+)
 def test_safe(raw: str, shown: str) -> None:
     assert safe(raw) == shown
 
 
 def test_exit_codes_are_the_documented_numbers() -> None:
     assert {e.name: e.value for e in Exit} == {
-        "OK": 0, "ERROR": 1, "USAGE": 2, "STALE_REMAIN": 3, "PARTIAL_FAILURE": 4, "LOCK_BUSY": 5,
-        "NOT_FOUND": 6, "REFUSED": 7, "UNHEALTHY": 8, "INTERRUPTED": 130}
+        "OK": 0,
+        "ERROR": 1,
+        "USAGE": 2,
+        "STALE_REMAIN": 3,
+        "PARTIAL_FAILURE": 4,
+        "LOCK_BUSY": 5,
+        "NOT_FOUND": 6,
+        "REFUSED": 7,
+        "UNHEALTHY": 8,
+        "INTERRUPTED": 130,
+    }
 
 
 def test_unexpected_errors_are_one_line_and_traceback_only_with_verbose(capsys) -> None:

@@ -13,8 +13,8 @@ import threading
 import pytest
 
 kvpages = pytest.importorskip(
-    "kvcached._kvpages",
-    reason="kvcached._kvpages is not built (pip install -e . compiles it from csrc/)",
+    "kvcached.runtime._kvpages",
+    reason="kvcached.runtime._kvpages is not built (pip install -e . compiles it from csrc/)",
 )
 
 pytestmark = pytest.mark.ext
@@ -89,7 +89,7 @@ def test_map_state_reporting(rng):
 def test_touching_unmapped_page_segfaults_child():
     code = f"""
         import ctypes
-        from kvcached import _kvpages
+        from kvcached.runtime import _kvpages
         r = _kvpages.PageRange(4, {PS})
         r.map(0)
         ctypes.memset(r.address, 1, {PS})   # mapped: fine
@@ -105,7 +105,7 @@ def test_touching_unmapped_page_segfaults_child():
 
 def test_touching_page_after_unmap_segfaults_child():
     code = f"""
-        from kvcached import _kvpages
+        from kvcached.runtime import _kvpages
         r = _kvpages.PageRange(2, {PS})
         v = memoryview(r)
         r.map(1)
@@ -258,7 +258,7 @@ def test_os_errors_carry_errno():
     # Cap the address space so that reserving 2 GiB fails with ENOMEM.
     code = """
         import resource
-        from kvcached import _kvpages
+        from kvcached.runtime import _kvpages
         with open("/proc/self/status") as f:
             vm = next(int(l.split()[1]) for l in f if l.startswith("VmSize:")) * 1024
         resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.RLIM_INFINITY))
@@ -313,10 +313,10 @@ def test_kvcached_import_does_not_load_extension():
     code = """
         import sys
         import kvcached, kvcached.runtime
-        assert "kvcached._kvpages" not in sys.modules, "loaded by import kvcached"
+        assert "kvcached.runtime._kvpages" not in sys.modules, "loaded by import kvcached"
         assert "torch" not in sys.modules
         from kvcached.runtime import Pages
-        assert "kvcached._kvpages" in sys.modules
+        assert "kvcached.runtime._kvpages" in sys.modules
         assert "torch" not in sys.modules, "torch loaded without as_tensor"
         print("ok")
     """

@@ -21,8 +21,8 @@ import textwrap
 import pytest
 
 kvpages = pytest.importorskip(
-    "kvcached._kvpages",
-    reason="kvcached._kvpages is not built (pip install -e . compiles it from csrc/)",
+    "kvcached.runtime._kvpages",
+    reason="kvcached.runtime._kvpages is not built (pip install -e . compiles it from csrc/)",
 )
 
 pytestmark = [
@@ -172,14 +172,14 @@ def test_cuda_means_the_current_device_per_worker():
     # With one GPU this can only show cuda:0; with more, the last one too.
     torch = _torch_cuda()
     n = torch.cuda.device_count()
-    code = """
+    code = f"""
         import sys, torch
         from kvcached.runtime.pages import Pages
         torch.cuda.set_device(int(sys.argv[1]))
         torch.zeros(1, device="cuda")   # a worker that has used its device
-        p = Pages(1, {ps}, device="cuda")
+        p = Pages(1, {PS}, device="cuda")
         print(p.device, torch.cuda.current_device())
-    """.format(ps=PS)
+    """
     for dev in sorted({0, n - 1}):
         res = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(dev)],
                              capture_output=True, text=True, timeout=120)
@@ -193,7 +193,7 @@ def test_counting_devices_leaves_the_driver_uninitialised_for_forked_workers():
     torch = _torch_cuda()
     res = _run_child("""
         import os
-        from kvcached import _kvpages as k
+        from kvcached.runtime import _kvpages as k
         n = k.cuda_device_count()
         # Counting must not even load libcuda: a child forked from a process that loaded it
         # crashed in its first CUDA call (SIGSEGV, first H200 run). Loading it here to ask
@@ -217,7 +217,7 @@ def test_forked_child_cannot_touch_the_parents_range():
     _torch_cuda()
     res = _run_child(f"""
         import gc, os, torch
-        from kvcached import _kvpages as k
+        from kvcached.runtime import _kvpages as k
         r = k.PageRange(2, {PS}, device="cuda:0")
         r.map(0)
         t = torch.from_dlpack(r)

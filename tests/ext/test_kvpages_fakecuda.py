@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 kvpages = pytest.importorskip(
-    "kvcached._kvpages",
-    reason="kvcached._kvpages is not built (pip install -e . compiles it from csrc/)",
+    "kvcached.runtime._kvpages",
+    reason="kvcached.runtime._kvpages is not built (pip install -e . compiles it from csrc/)",
 )
 
 pytestmark = [
@@ -74,7 +74,7 @@ def _run(lib_dir: Path, code: str, **env: str) -> dict:
 
 _PRELUDE = """
     import ctypes, gc, json, os, sys, threading, time
-    from kvcached import _kvpages as k
+    from kvcached.runtime import _kvpages as k
     fake = ctypes.CDLL("libcuda.so.1")
     fake.fake_cuda_stat.restype = ctypes.c_longlong
     def stat(name):

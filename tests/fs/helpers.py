@@ -250,9 +250,9 @@ def in_thread(fn) -> threading.Thread:
 
 CLEANUP_AS_USER = textwrap.dedent("""
     import json, sys
-    from kvcached.cleanup import run_cleanup
-    from kvcached.decide import Policy
-    from kvcached.layout import Layout
+    from kvcached.node.cleanup import run_cleanup
+    from kvcached.node.decide import Policy
+    from kvcached.node.layout import Layout
     r = run_cleanup(Layout(sys.argv[1]), Policy(grace=0))
     print(json.dumps([e.to_dict() for e in r.entries]))
 """)

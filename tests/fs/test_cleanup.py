@@ -8,18 +8,25 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
+from pathlib import Path
 
+from kvcached.node.cleanup import Action, execute, plan, run_cleanup
+from kvcached.node.decide import Policy, Reason, State
+from kvcached.node.scan import Kind
+from kvcached.node.segment import create_segment
+from kvcached.runtime.harness import start_deployment
+from kvcached.runtime.ipc.client import ping
 
-from kvcached.cleanup import Action, execute, plan, run_cleanup
-from kvcached.decide import Policy, Reason, State
-from kvcached.harness import start_deployment
-from kvcached.ipc.client import ping
-from kvcached.scan import Kind
-from kvcached.segment import create_segment
-
-from .helpers import (backdate, cleanup_as, live_socket, stale_socket, start_upstream_listener,
-                      stop_one_kill_rest, upstream_request)
+from ..waiting import wait_for
+from .helpers import (
+    backdate,
+    cleanup_as,
+    live_socket,
+    stale_socket,
+    start_upstream_listener,
+    stop_one_kill_rest,
+    upstream_request,
+)
 
 NOW_POLICY = Policy(grace=0)
 
@@ -133,7 +140,8 @@ def test_foreign_types_at_socket_paths_and_linked_segments_untouched(layout, uni
     seg_hard, seg_sym = f"{uniq}h", f"{uniq}s"
     os.link(victim, layout.segment_path(seg_hard))
     os.symlink(str(victim), layout.segment_path(seg_sym))
-    for p in [layout.socket_path(uniq, r) for r in range(3)] + [layout.segment_path(seg_hard), layout.segment_path(seg_sym)]:
+    segments = [layout.segment_path(seg_hard), layout.segment_path(seg_sym)]
+    for p in [layout.socket_path(uniq, r) for r in range(3)] + segments:
         backdate(p)
     report = by_path(run_cleanup(layout, NOW_POLICY, names=[seg_hard, seg_sym]))
     expect = {
@@ -145,8 +153,11 @@ def test_foreign_types_at_socket_paths_and_linked_segments_untouched(layout, uni
         layout.segment_path(seg_sym): Reason.SYMLINK,
     }
     for path, reason in expect.items():
-        assert (report[path].state, report[path].decision.reason, report[path].action) == \
-            (State.FOREIGN, reason, Action.KEPT), path
+        assert (report[path].state, report[path].decision.reason, report[path].action) == (
+            State.FOREIGN,
+            reason,
+            Action.KEPT,
+        ), path
         assert os.path.lexists(path)
     assert victim.read_bytes() == b"\x01" * 24
 
@@ -158,11 +169,15 @@ def test_pgid_named_segment_when_its_group_is_newer_or_older(layout, tmp_path) -
     engine-like (/bin/sleep can load no kvcached): stale, pgid_reused. Older
     than the segment's last change: live.
     """
-    for argv, expect in (([sys.executable, "-c", "import time; time.sleep(60)"], (State.UNKNOWN, Reason.PGID_AMBIGUOUS)),
-                         (["sleep", "60"], (State.STALE, Reason.PGID_REUSED))):
+    for argv, expect in (
+        ([sys.executable, "-c", "import time; time.sleep(60)"], (State.UNKNOWN, Reason.PGID_AMBIGUOUS)),
+        (["sleep", "60"], (State.STALE, Reason.PGID_REUSED)),
+    ):
         group = subprocess.Popen(argv, start_new_session=True)
         try:
-            time.sleep(0.1)
+            # Until exec has happened /proc shows the forked pytest, an engine-like process either way.
+            cmdline = Path(f"/proc/{group.pid}/cmdline")
+            wait_for(lambda tail=argv[-1].encode(), cmdline=cmdline: tail in cmdline.read_bytes())
             older = layout.segment_path(f"kvcached_vLLM_{group.pid}")
             create_segment(older, 1)
             backdate(older, 600)  # last changed long before this process group existed: PGID reused
@@ -259,14 +274,23 @@ def test_segment_mapped_by_a_process_is_live(layout, uniq) -> None:
     path = layout.segment_path(uniq)
     create_segment(path, 1)
     backdate(path)
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import mmap, os, sys
         fd = os.open({path!r}, os.O_RDWR)
         m = mmap.mmap(fd, 24)
         os.close(fd)  # mapped, not held open: only /proc/<pid>/maps shows it
         print("mapped", flush=True)
         sys.stdin.read()
-    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "mapped"
         d = plan(layout, NOW_POLICY).decisions[path]

@@ -6,10 +6,10 @@ import os
 import signal
 import threading
 
-from kvcached.harness import start_deployment
-from kvcached.ipc.client import ping
-from kvcached.owner import SegmentCleanup, WorkerSocketCleanup
-from kvcached.segment import create_segment
+from kvcached.node.owner import SegmentCleanup, WorkerSocketCleanup
+from kvcached.node.segment import create_segment
+from kvcached.runtime.harness import start_deployment
+from kvcached.runtime.ipc.client import ping
 
 from .helpers import live_socket, stale_socket, stop_one_kill_rest
 
@@ -149,7 +149,7 @@ def test_segment_cleanup_pins_inode(layout, uniq) -> None:
 
 
 def test_segment_cleanup_keeps_a_segment_a_successor_leased(layout, uniq) -> None:
-    from kvcached.lease import SegmentLease
+    from kvcached.node.lease import SegmentLease
 
     path = layout.segment_path(uniq)
     create_segment(path, 1)

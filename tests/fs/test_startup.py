@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from kvcached.lease import SegmentLease, segment_lease_held
-from kvcached.segment import create_segment, read_segment, write_segment
-from kvcached.startup import SegmentConflict, claim_segment
+from kvcached.node.lease import SegmentLease, segment_lease_held
+from kvcached.node.segment import create_segment, read_segment, write_segment
+from kvcached.node.startup import SegmentConflict, claim_segment
 
 from .helpers import backdate
 

@@ -140,8 +140,8 @@ def _owner_main(conn: Any, shape: Shape, root: str, name: str, patched: bool, en
     from vllm.v1.engine.core_client import InprocClient, SyncMPClient
     from vllm.v1.executor.abstract import Executor
 
-    from kvcached import naming
     from kvcached.integration import engine_state, vllm_patches, vllm_plugin
+    from kvcached.node import naming
 
     from . import vllm_fakes
 

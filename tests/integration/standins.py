@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcached.ipc.listener import WorkerListener
-from kvcached.layout import Layout
-from kvcached.lease import SegmentLease
-from kvcached.segment import create_segment
+from kvcached.node.layout import Layout
+from kvcached.node.lease import SegmentLease
+from kvcached.node.segment import create_segment
+from kvcached.runtime.ipc.listener import WorkerListener
 
 
 @dataclass
@@ -72,15 +72,6 @@ def read_pid(spec: Spec, what: str, timeout: float = 20.0) -> int:
         except (FileNotFoundError, ValueError):
             time.sleep(0.02)
     raise TimeoutError(f"stand-in {what} did not start")
-
-
-def wait_for(pred: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(interval)
-    return bool(pred())
 
 
 def _worker(spec: Spec, stage: int, rank: int, detached: bool) -> None:

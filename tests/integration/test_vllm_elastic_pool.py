@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed here (run scripts/install-vllm.sh in this venv)")
-pytest.importorskip("kvcached._kvpages", reason="kvcached._kvpages is not built (pip install -e .)")
+pytest.importorskip("kvcached.runtime._kvpages", reason="kvcached.runtime._kvpages is not built (pip install -e .)")
 pytestmark = [pytest.mark.vllm, pytest.mark.ext]
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
@@ -30,10 +30,10 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvcached.integration import vllm_elastic  # noqa: E402
+from kvcached.node.segment import read_segment  # noqa: E402
+from kvcached.node.startup import claim_segment  # noqa: E402
 from kvcached.runtime import kvbuffer  # noqa: E402
 from kvcached.runtime.pool import MapError  # noqa: E402
-from kvcached.segment import read_segment  # noqa: E402
-from kvcached.startup import claim_segment  # noqa: E402
 
 from . import elastic_support as es  # noqa: E402
 
@@ -268,7 +268,7 @@ def test_batches_in_flight_keep_their_pages_mapped(serve, monkeypatch) -> None:
 
         def check(when: str) -> None:
             mapped = set(s.buf.mapped_groups())
-            for out, blocks in inflight:
+            for _out, blocks in inflight:
                 lost = {b // BPP for b in blocks} - mapped
                 if lost:
                     problems.append(f"{when}: pages {sorted(lost)} of a running batch were unmapped")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed here (run scripts/install-vllm.sh in this venv)")
-pytest.importorskip("kvcached._kvpages", reason="kvcached._kvpages is not built (pip install -e .)")
+pytest.importorskip("kvcached.runtime._kvpages", reason="kvcached.runtime._kvpages is not built (pip install -e .)")
 pytestmark = [pytest.mark.vllm, pytest.mark.ext]
 
 import torch  # noqa: E402

@@ -23,15 +23,15 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed here (run scripts/install-vllm.sh in this venv)")
-pytest.importorskip("kvcached._kvpages", reason="kvcached._kvpages is not built (pip install -e .)")
+pytest.importorskip("kvcached.runtime._kvpages", reason="kvcached.runtime._kvpages is not built (pip install -e .)")
 pytestmark = [pytest.mark.vllm, pytest.mark.ext]
 
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvcached.integration import vllm_elastic  # noqa: E402
-from kvcached.ipc.client import Client  # noqa: E402
+from kvcached.node.startup import claim_segment  # noqa: E402
+from kvcached.runtime.ipc.client import Client  # noqa: E402
 from kvcached.runtime.pool import CMD_MAPPED, MapError  # noqa: E402
-from kvcached.startup import claim_segment  # noqa: E402
 
 from . import elastic_support as es  # noqa: E402
 
@@ -42,8 +42,8 @@ PB = 2 * PAGE
 
 _WORKER = """
 import json, signal, sys
-from kvcached.ipc.listener import WorkerListener
-from kvcached.layout import Layout
+from kvcached.runtime.ipc.listener import WorkerListener
+from kvcached.node.layout import Layout
 from kvcached.runtime.kvbuffer import KVBuffer
 from kvcached.runtime.kvplan import Footprint
 root, name, rank, fp, page = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5])

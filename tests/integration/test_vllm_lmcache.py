@@ -21,8 +21,7 @@ pytest.importorskip("vllm", reason="vLLM 0.33 is not installed here (run scripts
 pytestmark = pytest.mark.vllm
 
 from vllm.config import KVTransferConfig  # noqa: E402
-from vllm.distributed.kv_transfer import kv_transfer_state  # noqa: E402
-from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown  # noqa: E402
+from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown, kv_transfer_state  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1  # noqa: E402
 

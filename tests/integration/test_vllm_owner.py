@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 import weakref
 from types import SimpleNamespace
 from typing import Any
@@ -31,12 +30,13 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor  # noqa: E402
 
 from kvcached.integration import engine_owner as owner_mod  # noqa: E402
 from kvcached.integration.vllm_patches import OWNER_ATTR  # noqa: E402
-from kvcached.ipc.listener import WorkerListener  # noqa: E402
-from kvcached.layout import Layout  # noqa: E402
+from kvcached.node.layout import Layout  # noqa: E402
+from kvcached.runtime.ipc.listener import WorkerListener  # noqa: E402
 
+from ..waiting import wait_for  # noqa: E402
 from . import standins  # noqa: E402
 from .serves import gone  # noqa: E402
-from .standins import Spec, dead_node, read_pid, wait_for  # noqa: E402
+from .standins import Spec, dead_node, read_pid  # noqa: E402
 from .vllm_fakes import ServeConfig  # noqa: E402
 
 both = pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"], indirect=True)
@@ -142,7 +142,7 @@ def test_group_sigterm_leaves_nothing(serve, layout, vllm_env, patched, owner) -
         s.client().shutdown(timeout=0)
     else:
         s.manager.shutdown(timeout=0)  # run_multi_api_server / run_headless call this
-    assert wait_for(lambda: gone(s.engine))
+    wait_for(lambda: gone(s.engine))
     state = _state(layout, vllm_env, 2, 2)
     if patched:
         assert not any(state.values()), state
@@ -157,19 +157,22 @@ def test_delayed_and_stopped_workers_keep_sockets_until_exit(serve, layout, vllm
     slow, stopped = s.workers[(0, 1)], s.workers[(0, 2)]
     _kill(stopped, signal.SIGSTOP)
     s.client().shutdown(timeout=0)
-    assert wait_for(lambda: gone(s.engine))
+    wait_for(lambda: gone(s.engine))
     state = _state(layout, vllm_env, 3)
     assert state["pp0/w1"] and state["pp0/w2"] and state["dir"], state
     assert state["pp0/w0"] is (not patched) and state["segment"] is (not patched), state
-    time.sleep(0.3)  # retries meanwhile keep what is still served, even by a stopped process
+    if patched:  # two retries later, what is still served (even by a stopped process) is still there
+        owner = s.manager._kvcached_owner
+        tried = owner.retries
+        wait_for(lambda: owner.retries >= tried + 2)
     assert _state(layout, vllm_env, 3)["pp0/w2"]
     _kill(slow, signal.SIGKILL)
     _kill(stopped, signal.SIGKILL)
-    assert wait_for(lambda: gone(slow) and gone(stopped))
+    wait_for(lambda: gone(slow) and gone(stopped))
     if patched:
-        assert wait_for(lambda: not any(_state(layout, vllm_env, 3).values()), timeout=10), _state(layout, vllm_env, 3)
-    else:
-        time.sleep(0.3)
+        wait_for(lambda: not any(_state(layout, vllm_env, 3).values()), timeout=10,
+                 explain=lambda: _state(layout, vllm_env, 3))
+    else:  # no kvcached code runs here: nothing can remove anything
         assert all(_state(layout, vllm_env, 3).values())
 
 
@@ -181,7 +184,7 @@ def test_retry_on_repeated_shutdown(serve, layout, vllm_env, patched, monkeypatc
     client.shutdown(timeout=0)
     assert _state(layout, vllm_env, 2)["pp0/w1"]
     _kill(s.workers[(0, 1)], signal.SIGKILL)
-    assert wait_for(lambda: gone(s.workers[(0, 1)]))
+    wait_for(lambda: gone(s.workers[(0, 1)]))
     s.manager.shutdown(timeout=0)  # e.g. BackgroundResources, or the supervisor's finally
     assert not any(_state(layout, vllm_env, 2).values()), getattr(s.manager, OWNER_ATTR).results
 
@@ -194,7 +197,7 @@ def test_same_name_replacements_stay(serve, layout, vllm_env, patched) -> None:
     s = serve(tp=2)
     for pid in s.workers.values():
         _kill(pid, signal.SIGKILL)
-    assert wait_for(lambda: all(gone(p) for p in s.workers.values()))
+    wait_for(lambda: all(gone(p) for p in s.workers.values()))
     w0, w1 = layout.socket_path(vllm_env, 0), layout.socket_path(vllm_env, 1)
     os.unlink(w0)
     dead_node(w0)
@@ -208,7 +211,7 @@ def test_same_name_replacements_stay(serve, layout, vllm_env, patched) -> None:
         f.write(bytes(24))
     try:
         s.client().shutdown(timeout=0)
-        assert wait_for(lambda: gone(s.engine))
+        wait_for(lambda: gone(s.engine))
         assert all(_state(layout, vllm_env, 2).values()), _state(layout, vllm_env, 2)
     finally:
         live.close()
@@ -222,11 +225,13 @@ def test_unconfirmed_engine_exit_keeps_everything(serve, layout, vllm_env, patch
         _kill(pid, signal.SIGKILL)  # every node is unserved: only the engine gate holds
     s.manager._finalizer.detach()  # vLLM's own shutdown already ran (or failed) and left the engine alive
     s.client().shutdown(timeout=0)
-    time.sleep(0.5)
+    owner = s.manager._kvcached_owner
+    wait_for(lambda: owner.retries >= 2)  # the retry ran, and found no confirmed exit
     assert not gone(s.engine)
     assert all(_state(layout, vllm_env, 2).values()), _state(layout, vllm_env, 2)
     _kill(s.engine, signal.SIGKILL)
-    assert wait_for(lambda: not any(_state(layout, vllm_env, 2).values()), timeout=10), _state(layout, vllm_env, 2)
+    wait_for(lambda: not any(_state(layout, vllm_env, 2).values()), timeout=10,
+             explain=lambda: _state(layout, vllm_env, 2))
 
 
 @both
@@ -235,7 +240,7 @@ def test_nodes_absent_at_ready_are_never_claimed(serve, layout, vllm_env, patche
     s = serve(tp=2, late=((0, 1),))
     s.group_sigterm()
     s.client().shutdown(timeout=0)
-    assert wait_for(lambda: gone(s.engine))
+    wait_for(lambda: gone(s.engine))
     state = _state(layout, vllm_env, 2)
     assert state["pp0/w1"] and state["dir"], state
     assert state["pp0/w0"] is (not patched) and state["segment"] is (not patched), state
@@ -261,7 +266,7 @@ def test_owner_without_parallel_config_touches_nothing(serve, layout, vllm_env, 
     assert OWNER_ATTR not in s.manager.__dict__
     s.group_sigterm()
     s.manager.shutdown(timeout=0)
-    assert wait_for(lambda: gone(s.engine))
+    wait_for(lambda: gone(s.engine))
     assert all(_state(layout, vllm_env, 2).values())
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -120,7 +121,7 @@ def test_vllm_loads_the_plugin_once_per_process(clean_patches, monkeypatch) -> N
     vllm_plugin.register()
     clean_patches.apply()
     assert vutils.CoreEngineProcManager.shutdown is wrapper
-    assert not hasattr(getattr(wrapper, "__kvcached_original__"), "__kvcached_original__")
+    assert not hasattr(wrapper.__kvcached_original__, "__kvcached_original__")
 
 
 @needs_vllm
@@ -170,11 +171,11 @@ def test_kvcached_logs_appear_in_vllms_stream_and_format(clean_patches, tmp_path
 
         from kvcached.integration import vllm_plugin
 
-        logging.getLogger("kvcached.owner").info("before routing")
+        logging.getLogger("kvcached.node.owner").info("before routing")
         vllm_plugin.route_logs_to_vllm()  # the plugin may load before vLLM configures logging
         configure_logging(LoggingConfig())  # what vLLM does in every process it starts
-        logging.getLogger("kvcached.owner").info("owner removed /dev/shm/x")
-        logging.getLogger("kvcached.owner").debug("not at vLLM level")
+        logging.getLogger("kvcached.node.owner").info("owner removed /dev/shm/x")
+        logging.getLogger("kvcached.node.owner").debug("not at vLLM level")
         logging.getLogger("vllm.test").info("a vllm line")
 
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
@@ -231,14 +232,14 @@ def test_detect_reports_conditions_and_patches(clean_patches, monkeypatch) -> No
     assert all(p["applied"] and p["active"] for k, p in d["patches"].items() if k != "elastic-kv")
     assert d["conditions"]["lmcache-no-shutdown-forwarding"]["present"] is True  # vLLM's own class, not ours
     json.dumps(d)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         report.enabled = True  # type: ignore[misc]  # frozen
 
 
 @needs_vllm
 def test_doctor_probe_reads_the_report() -> None:
     """kvctl doctor runs this probe in a subprocess; it must print the report as one JSON line."""
-    diagnostics = pytest.importorskip("kvcached.diagnostics")
+    diagnostics = pytest.importorskip("kvcached.node.diagnostics")
     r = subprocess.run([sys.executable, "-c", diagnostics._DETECT_PROBE], capture_output=True, text=True,
                        env={**os.environ, "ENABLE_KVCACHED": "true", "PYTHONPATH": REPO}, timeout=120)
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith(diagnostics._DETECT_MARK))
@@ -252,7 +253,7 @@ def test_doctor_probe_reads_the_report() -> None:
 @needs_vllm
 def test_vllm_plugins_excluding_kvcached_makes_every_patch_inactive(clean_patches, monkeypatch) -> None:
     """vLLM skips a plugin VLLM_PLUGINS does not list: detect() and doctor say inactive, with the fix."""
-    from kvcached.diagnostics import vllm_results
+    from kvcached.node.diagnostics import vllm_results
 
     monkeypatch.setenv("ENABLE_KVCACHED", "true")
     monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver")

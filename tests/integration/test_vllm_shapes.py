@@ -25,9 +25,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed here (run scripts/install-vllm.sh in this venv)")
 pytestmark = pytest.mark.vllm
 
-from kvcached.gclock import LOCK_NAME  # noqa: E402
-from kvcached.layout import Layout  # noqa: E402
-from kvcached.naming import dp_rank_name  # noqa: E402
+from kvcached.node.gclock import LOCK_NAME  # noqa: E402
+from kvcached.node.layout import Layout  # noqa: E402
+from kvcached.node.naming import dp_rank_name  # noqa: E402
 
 from . import serves  # noqa: E402
 from .serves import Serve, Shape, gone  # noqa: E402
@@ -62,7 +62,7 @@ def start(layout, uniq) -> Any:
 
 
 def node_entries(layout: Layout) -> list[str]:
-    """Everything under the node root's /tmp and /dev/shm but kvctl gc's own lock (the serve writes nothing else there)."""
+    """Everything under the node root's /tmp and /dev/shm but kvctl gc's lock (the serve writes nothing else there)."""
     return [n for n in sorted(os.listdir(layout.tmp_dir)) + sorted(os.listdir(layout.shm_dir)) if n != LOCK_NAME]
 
 
@@ -166,7 +166,7 @@ def test_tp2_pp2_forked_workers(layout, uniq, start, patched) -> None:
 
 @both
 def test_spawned_worker(layout, uniq, start, patched) -> None:
-    """A worker started by multiprocessing spawn (vLLM's way once CUDA is up) loads kvcached through vLLM's plugin loader."""
+    """A worker started by multiprocessing spawn (vLLM's way once CUDA is up) loads kvcached by the plugin loader."""
     s = start(Shape(owner="api", tp=1, backend="mp", worker_start="spawn"), patched)
     (engine,) = s.engines
     (worker,) = s.workers[engine]
@@ -181,8 +181,9 @@ def test_spawned_worker(layout, uniq, start, patched) -> None:
     expect_nothing_left(layout, s)
 
 
-@pytest.mark.parametrize("patched, dp_names", [(True, True), (False, True), (True, False)],
-                         ids=["patched", "unpatched", "dp-names-reverted"])
+@pytest.mark.parametrize(
+    "patched, dp_names", [(True, True), (False, True), (True, False)], ids=["patched", "unpatched", "dp-names-reverted"]
+)
 def test_data_parallel_ranks_each_get_a_name(layout, uniq, start, patched, dp_names) -> None:
     """DP=2, TP=1: two engines, each with one worker. One name per rank; kvctl groups them as one serve.
 
@@ -208,8 +209,9 @@ def test_data_parallel_ranks_each_get_a_name(layout, uniq, start, patched, dp_na
     assert view["serves"] == [{"name": uniq, "state": "live", "deployments": sorted(ranks), "dp_ranks": [0, 1]}]
     assert [(d["serve"], d["dp_rank"]) for d in view["deployments"]] == [(uniq, 0), (uniq, 1)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
-    text = subprocess.run([KVCTL, "--root", layout.root, "inspect"], capture_output=True, text=True, env=env,
-                          timeout=120).stdout
+    text = subprocess.run(
+        [KVCTL, "--root", layout.root, "inspect"], capture_output=True, text=True, env=env, timeout=120
+    ).stdout
     assert f"Serve {uniq}  data parallel: 2 ranks here ({uniq}_dp0, {uniq}_dp1)" in text, text
     stop_like_vllm_serve(s)
     expect_nothing_left(layout, s)

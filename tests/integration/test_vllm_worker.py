@@ -27,7 +27,7 @@ from vllm.v1.executor.multiproc_executor import WorkerProc  # noqa: E402
 from vllm.v1.worker.worker_base import WorkerWrapperBase  # noqa: E402
 
 from kvcached.integration import vllm_patches  # noqa: E402
-from kvcached.ipc.client import Client  # noqa: E402
+from kvcached.runtime.ipc.client import Client  # noqa: E402
 
 both = pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"], indirect=True)
 

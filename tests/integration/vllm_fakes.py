@@ -53,16 +53,29 @@ class ServeConfig:
         kw: dict[str, Any] = {}
         if backend is not None:
             kw["distributed_executor_backend"] = backend
-        self.parallel_config = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                              data_parallel_size=dp, data_parallel_size_local=dp, worker_cls=WORKER_CLS, **kw)
+        self.parallel_config = ParallelConfig(
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            data_parallel_size=dp,
+            data_parallel_size_local=dp,
+            worker_cls=WORKER_CLS,
+            **kw,
+        )
         self.cache_config = CacheConfig()
         self.cache_config.block_size = 16
         self.model_config = SimpleNamespace(
-            max_model_len=2048, dtype="float16", enable_sleep_mode=False, is_moe=False,
-            multimodal_config=None, runner_type="generate", is_diffusion=False,
-            supports_multimodal_inputs=False)
-        self.scheduler_config = SimpleNamespace(async_scheduling=False, max_num_seqs=8,
-                                                max_num_batched_tokens=2048, enable_chunked_prefill=False)
+            max_model_len=2048,
+            dtype="float16",
+            enable_sleep_mode=False,
+            is_moe=False,
+            multimodal_config=None,
+            runner_type="generate",
+            is_diffusion=False,
+            supports_multimodal_inputs=False,
+        )
+        self.scheduler_config = SimpleNamespace(
+            async_scheduling=False, max_num_seqs=8, max_num_batched_tokens=2048, enable_chunked_prefill=False
+        )
         self.device_config = SimpleNamespace(device="cpu")
         self.watchdog_config = SimpleNamespace(dump_dir=None, enable=False)
         self.load_config = self.lora_config = self.speculative_config = None
@@ -90,17 +103,27 @@ class ServeConfig:
 def kv_cache_config(num_blocks: int = 64) -> KVCacheConfig:
     """A KV cache config of vLLM's own classes: one full-attention group over `KV_BYTES`."""
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=__import__("torch").float16)
-    return KVCacheConfig(num_blocks=num_blocks,
-                         kv_cache_tensors=[KVCacheTensor(size=KV_BYTES, layers=["layer.0"], layer_stride=KV_BYTES,
-                                                         block_stride=KV_BYTES // num_blocks)],
-                         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(size=KV_BYTES, layers=["layer.0"], layer_stride=KV_BYTES, block_stride=KV_BYTES // num_blocks)
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+    )
 
 
 class FakeWorker(WorkerBase):
     """A worker without a device or a model: answers the executor's start-up and shutdown RPCs."""
 
-    def __init__(self, vllm_config: Any, local_rank: int, rank: int, distributed_init_method: str,
-                 is_driver_worker: bool = False, **_kw: Any) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool = False,
+        **_kw: Any,
+    ) -> None:
         self.vllm_config = vllm_config
         self.parallel_config = vllm_config.parallel_config
         self.local_rank, self.rank = local_rank, rank
@@ -131,8 +154,9 @@ class IdleScheduler:
     def __init__(self, kv_config: KVCacheConfig, max_model_len: int) -> None:
         from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-        self.kv_cache_manager = KVCacheManager(kv_config, max_model_len=max_model_len, scheduler_block_size=16,
-                                               hash_block_size=16, enable_caching=False)
+        self.kv_cache_manager = KVCacheManager(
+            kv_config, max_model_len=max_model_len, scheduler_block_size=16, hash_block_size=16, enable_caching=False
+        )
         self.held: list[Any] = []
 
     def has_requests(self) -> bool:
@@ -163,8 +187,14 @@ class IdleScheduler:
         pass
 
 
-def engine_core_init(self: Any, vllm_config: Any, executor_class: type, log_stats: bool,
-                     executor_fail_callback: Any = None, include_finished_set: bool = False) -> None:
+def engine_core_init(
+    self: Any,
+    vllm_config: Any,
+    executor_class: type,
+    log_stats: bool,
+    executor_fail_callback: Any = None,
+    include_finished_set: bool = False,
+) -> None:
     """In place of EngineCore.__init__: the real executor, no model; KV cache sized as if profiled."""
     from vllm.plugins import load_general_plugins
 
@@ -232,4 +262,3 @@ def install_engine() -> None:
 
 
 install()
-

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvcached.harness import Deployment, start_deployment
-from kvcached.layout import Layout
+from kvcached.node.layout import Layout
+from kvcached.runtime.harness import Deployment, start_deployment
 
 from .kit import make_root
 

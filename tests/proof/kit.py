@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from kvcached.layout import Layout
+from kvcached.node.layout import Layout
 
 KVCTL = os.path.join(os.path.dirname(sys.executable), "kvctl")
 PID = os.getpid()

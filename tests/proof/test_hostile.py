@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvcached import naming
+from kvcached.node import naming
 
 from .kit import KVCTL, PID
 
@@ -233,7 +233,8 @@ def plant_all(node: Node) -> None:
     p = mk("segment-fifo-and-size")
     for tag, code in (("ff", "import os; os.mkfifo('{p}')"), ("bs", "open('{p}', 'wb').write(bytes(100))")):
         name = n(tag)
-        _as_user(u, f"import os; os.mkdir({node.sdir(name)!r}, 0o700); " + code.replace("{p}", os.path.join(node.shm, name)))
+        plant = code.replace("{p}", os.path.join(node.shm, name))
+        _as_user(u, f"import os; os.mkdir({node.sdir(name)!r}, 0o700); " + plant)
         p.names.append(name)
         p.segments.append(name)
         p.keep.append(os.path.join(node.shm, name))
@@ -262,14 +263,30 @@ def _kvctl_cmd(user: str | None, root: str | None, args: list[str]) -> list[str]
         return [KVCTL, *glob, *args]
     # The venv's interpreter lives under /root (0700): run the same code with the system
     # Python of the same minor version, the venv's packages on the path.
-    return ["runuser", "-u", user, "--", "/usr/bin/env", f"PYTHONPATH={REPO}:{SITE}", "NO_COLOR=1",
-            f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}", "-c",
-            "import sys; sys.argv[0] = 'kvctl'; from kvctl.app import main; sys.exit(main())", *glob, *args]
+    return [
+        "runuser",
+        "-u",
+        user,
+        "--",
+        "/usr/bin/env",
+        f"PYTHONPATH={REPO}:{SITE}",
+        "NO_COLOR=1",
+        f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}",
+        "-c",
+        "import sys; sys.argv[0] = 'kvctl'; from kvctl.app import main; sys.exit(main())",
+        *glob,
+        *args,
+    ]
 
 
 def _run(user: str | None, root: str | None, args: list[str], case: str) -> subprocess.CompletedProcess:
-    r = subprocess.run(_kvctl_cmd(user, root, args), capture_output=True, timeout=120,
-                       env={**os.environ, "NO_COLOR": "1"}, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        _kvctl_cmd(user, root, args),
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "NO_COLOR": "1"},
+        stdin=subprocess.DEVNULL,
+    )
     who = user or "root"
     CASES_RUN.append(f"{case} | {who} | {'--root' if root else 'real'} | {' '.join(args)} | exit {r.returncode}")
     out = r.stdout + r.stderr
@@ -277,12 +294,15 @@ def _run(user: str | None, root: str | None, args: list[str], case: str) -> subp
         assert r.returncode in (6, 7), f"{who} {args}: limit on a planted non-segment exited {r.returncode}: {out!r}"
     assert r.returncode in EXIT_CODES, f"{who} {args}: undocumented exit {r.returncode}: {out[-2000:]!r}"
     assert b"Traceback" not in out, f"{who} {args}: traceback: {out[-3000:].decode(errors='replace')}"
-    for byte in set(out) & (set(range(0x20)) - {0x0a, 0x09}):
-        raise AssertionError(f"{who} {args}: raw control byte {byte:#04x} in output: "
-                             f"{out[max(0, out.index(bytes([byte])) - 80):out.index(bytes([byte])) + 40]!r}")
+    for byte in set(out) & (set(range(0x20)) - {0x0A, 0x09}):
+        raise AssertionError(
+            f"{who} {args}: raw control byte {byte:#04x} in output: "
+            f"{out[max(0, out.index(bytes([byte])) - 80) : out.index(bytes([byte])) + 40]!r}"
+        )
     for line in out.splitlines():
-        assert not any(line.lstrip().startswith(f) for f in LINE_FORGERIES), \
+        assert not any(line.lstrip().startswith(f) for f in LINE_FORGERIES), (
             f"{who} {args}: a planted newline reached the output raw: {line!r}"
+        )
     if "--json" in args and r.stdout.strip():
         doc = json.loads(r.stdout)
         _validate(doc)
@@ -295,8 +315,14 @@ def _validate(doc: dict) -> None:
     except ImportError:  # pragma: no cover - jsonschema is in the test extra
         return
     schema = "list" if isinstance(doc, list) else str(doc.get("schema", ""))
-    fname = {"kvctl.gc/1": "gc.json", "kvctl.delete/1": "gc.json", "kvctl.inspect/1": "inspect.json",
-             "kvctl.limit/1": "limit.json", "kvctl.error/1": "error.json", "list": "list.json"}.get(schema)
+    fname = {
+        "kvctl.gc/1": "gc.json",
+        "kvctl.delete/1": "gc.json",
+        "kvctl.inspect/1": "inspect.json",
+        "kvctl.limit/1": "limit.json",
+        "kvctl.error/1": "error.json",
+        "list": "list.json",
+    }.get(schema)
     if fname and os.path.exists(os.path.join(SCHEMAS, fname)):
         with open(os.path.join(SCHEMAS, fname)) as f:
             jsonschema.validate(doc, json.load(f))
@@ -331,8 +357,12 @@ def _secret_dir(base: str) -> tuple[str, dict[str, tuple[bytes, float]]]:
     with open(os.path.join(sec, "root-file"), "wb") as f:
         f.write(b"root's data, not to be touched")
     _stale_sock(os.path.join(sec, "w0.sock"))
-    return sec, {os.path.join(sec, "root-file"): (b"root's data, not to be touched",
-                                                  os.stat(os.path.join(sec, "root-file")).st_mtime)}
+    return sec, {
+        os.path.join(sec, "root-file"): (
+            b"root's data, not to be touched",
+            os.stat(os.path.join(sec, "root-file")).st_mtime,
+        )
+    }
 
 
 def _commands(node: Node) -> list[tuple[str, list[str]]]:
@@ -340,7 +370,8 @@ def _commands(node: Node) -> list[tuple[str, list[str]]]:
     real = node.root is None
     scope = [f"{PREFIX}*"] if real else []  # on the real node never touch anyone else's state
     cmds: list[tuple[str, list[str]]] = [
-        ("all", ["inspect"]), ("all", ["inspect", "--json"]),
+        ("all", ["inspect"]),
+        ("all", ["inspect", "--json"]),
         ("all", ["gc", "--dry-run", "--min-age", "0", *scope]),
         ("all", ["gc", "--dry-run", "--min-age", "0", "--json", *scope]),
         ("all", ["list", "--json"]),
@@ -350,8 +381,10 @@ def _commands(node: Node) -> list[tuple[str, list[str]]]:
             cmds.append((p.case, ["limit", seg, "1G", "--json"]))
         for name in p.names:
             cmds.append((p.case, ["delete", name, "--yes", "--min-age", "0", "--json"]))
-    cmds += [("all", ["gc", "--yes", "--min-age", "0", *scope]),
-             ("all", ["gc", "--yes", "--min-age", "0", "--json", *scope])]
+    cmds += [
+        ("all", ["gc", "--yes", "--min-age", "0", *scope]),
+        ("all", ["gc", "--yes", "--min-age", "0", "--json", *scope]),
+    ]
     return cmds
 
 
@@ -403,11 +436,14 @@ def test_zz_hostile_case_count() -> None:
     if not CASES_RUN:
         pytest.skip("the hostile tests did not run")
     traps = sorted({t for _, t, _ in PLANTED})
-    print(f"\nhostile traps: {len(traps)} kinds, planted {len(PLANTED)} times "
-          f"({sum(k for _, _, k in PLANTED)} entries that must survive) in {len({n for n, _, _ in PLANTED})} roots")
+    print(
+        f"\nhostile traps: {len(traps)} kinds, planted {len(PLANTED)} times "
+        f"({sum(k for _, _, k in PLANTED)} entries that must survive) in {len({n for n, _, _ in PLANTED})} roots"
+    )
     print(f"hostile cases (trap set x user x root x kvctl command, each followed by a full check): {len(CASES_RUN)}")
     print("  traps: " + ", ".join(traps))
     from collections import Counter
+
     by = Counter((c.split(" | ")[3].split()[0], c.split(" | ")[1] == "root", c.split(" | ")[-1]) for c in CASES_RUN)
     for (cmd, as_root, code), k in sorted(by.items()):
         print(f"  {cmd:8} as {'root' if as_root else 'user'}: {code} x{k}")

@@ -16,15 +16,15 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 
 import pytest
 
-from kvcached import naming
-from kvcached.layout import Layout
+from kvcached.node import naming
+from kvcached.node.layout import Layout
 
 from ..fs.helpers import UpstreamRuntime, backdate, kill_listener_like_a_bare_probe
+from ..waiting import wait_for
 from .kit import KVCTL, make_root, uniq
 
 READ_ONLY = (["inspect"], ["inspect", "--json"], ["list"], ["list", "--json"], ["gc", "--dry-run"],
@@ -78,8 +78,7 @@ def test_the_upstream_stand_in_dies_on_a_bare_connect(node: Layout, runtime: Ups
     d = node.socket_dir(runtime.name)
     assert runtime.answering(d) == [0, 1]
     kill_listener_like_a_bare_probe(os.path.join(d, "w1.sock"))
-    time.sleep(0.2)
-    assert runtime.answering(d) == [0]
+    wait_for(lambda: runtime.answering(d) == [0])
 
 
 def test_a_deployment_named_through_os_environ_keeps_its_segment(node: Layout, runtime: UpstreamRuntime) -> None:
@@ -178,8 +177,8 @@ def elsewhere(node: Layout, tmp_path_factory: pytest.TempPathFactory) -> Layout:
 
 def test_our_listener_refuses_an_upstream_nodes_path_without_killing_it(node: Layout, elsewhere: Layout) -> None:
     """Our worker starting under a live upstream deployment's name must neither take over nor kill it."""
-    from kvcached.errors import SocketInUse
-    from kvcached.ipc.listener import WorkerListener
+    from kvcached.node.errors import SocketInUse
+    from kvcached.runtime.ipc.listener import WorkerListener
 
     rt = UpstreamRuntime(node.root, uniq("ov"), ranks=1)
     try:
@@ -193,7 +192,7 @@ def test_our_listener_refuses_an_upstream_nodes_path_without_killing_it(node: La
 
 def test_owner_cleanup_leaves_an_upstream_listener_alone(node: Layout, elsewhere: Layout) -> None:
     """An engine owner whose captured node is now served by an upstream listener keeps it, politely."""
-    from kvcached.owner import WorkerSocketCleanup
+    from kvcached.node.owner import WorkerSocketCleanup
 
     rt = UpstreamRuntime(node.root, uniq("ow"), ranks=2)
     try:

@@ -47,7 +47,6 @@ import os
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -58,13 +57,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from kvcached import naming
-from kvcached.cleanup import Action, Report, execute, plan
-from kvcached.decide import Policy, State
-from kvcached.facts import Facts, gather_facts
-from kvcached.layout import Layout
-from kvcached.lease import SegmentLease
-from kvcached.segment import create_segment
+from kvcached.node import naming
+from kvcached.node.cleanup import Action, Report, execute, plan
+from kvcached.node.decide import Policy, State
+from kvcached.node.facts import Facts, gather_facts
+from kvcached.node.layout import Layout
+from kvcached.node.lease import SegmentLease
+from kvcached.node.segment import create_segment
 
 from .kit import KVCTL, Helper, make_root
 

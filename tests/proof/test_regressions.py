@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 import socket
 
-from kvcached.cleanup import Action, run_cleanup
-from kvcached.decide import Policy, State
-from kvcached.facts import gather_facts
-from kvcached.layout import Layout
+from kvcached.node.cleanup import Action, run_cleanup
+from kvcached.node.decide import Policy, State
+from kvcached.node.facts import gather_facts
+from kvcached.node.layout import Layout
 
 
 def test_stale_socket_in_stage_dir_of_live_deployment_is_removed(node: Layout) -> None:
@@ -110,7 +110,7 @@ def test_names_with_a_trailing_newline_are_not_ours() -> None:
     treat as kvcached state (the hostile suite saw `kvctl delete` remove a
     user's "w0.sock\\n"). `\\Z` (or re.fullmatch) is the fix.
     """
-    from kvcached import naming
+    from kvcached.node import naming
 
     assert naming.parse_socket_name("w0.sock\n") is None
     assert naming.parse_stage_name("pp1\n") is None
@@ -128,7 +128,7 @@ def test_explicit_named_segment_left_without_its_socket_dir_is_found(node: Layou
     dead segment is tied to nothing and `kvctl gc` never sees it: it leaks for
     good (crash matrix, 2×2 harness_stop_like_vllm and double_sigterm rows).
     """
-    from kvcached.segment import create_segment
+    from kvcached.node.segment import create_segment
 
     name = "explicit-left"
     create_segment(node.segment_path(name), 1 << 30)  # what the dead engine left; no dir, no process
@@ -151,13 +151,13 @@ def test_worker_exits_on_a_second_sigterm_during_teardown(node: Layout) -> None:
     import sys
     import time
 
-    from kvcached.ipc.client import ping
+    from kvcached.runtime.ipc.client import ping
 
     hung = 0
     tries = [0.0, 0.0002, 0.0005, 0.001, 0.002] * 2
     for i, gap in enumerate(tries):
         name = f"dbl{i}"
-        p = subprocess.Popen([sys.executable, "-m", "kvcached.harness", "--role", "worker", "--name", name,
+        p = subprocess.Popen([sys.executable, "-m", "kvcached.runtime.harness", "--role", "worker", "--name", name,
                               "--root", node.root, "--rank", "0"], stdin=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 60  # generous: a loaded machine starts Python slowly

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip(
-    "kvcached._kvpages",
-    reason="kvcached._kvpages is not built (pip install -e . compiles it from csrc/)",
+    "kvcached.runtime._kvpages",
+    reason="kvcached.runtime._kvpages is not built (pip install -e . compiles it from csrc/)",
 )
 
-from kvcached.ipc.listener import WorkerListener  # noqa: E402
+from kvcached.runtime.ipc.listener import WorkerListener  # noqa: E402
 from kvcached.runtime.kvbuffer import CMD_INFO, KVBuffer, LocalLink, SocketLink  # noqa: E402
 from kvcached.runtime.kvplan import Footprint  # noqa: E402
 from kvcached.runtime.pool import MapError  # noqa: E402
@@ -21,12 +21,12 @@ P = 64 * 1024
 
 def layer_outer(layers: int = 2, blocks: int = 64, page: int = 8 * 1024) -> Footprint:
     region = blocks * page
-    return Footprint.build(layers * region, blocks, [(page, l * region, page) for l in range(layers)])
+    return Footprint.build(layers * region, blocks, [(page, layer * region, page) for layer in range(layers)])
 
 
 def odd_rows() -> Footprint:
     """Rows of 18,432 bytes: groups of 4 blocks share boundary pages."""
-    return Footprint.build(2 * 40 * 18_432, 40, [(18_432, l * 40 * 18_432, 18_432) for l in range(2)])
+    return Footprint.build(2 * 40 * 18_432, 40, [(18_432, layer * 40 * 18_432, 18_432) for layer in range(2)])
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import struct
 import pytest
 
 pytest.importorskip(
-    "kvcached._kvpages",
-    reason="kvcached._kvpages is not built (pip install -e . compiles it from csrc/)",
+    "kvcached.runtime._kvpages",
+    reason="kvcached.runtime._kvpages is not built (pip install -e . compiles it from csrc/)",
 )
 
 from kvcached.runtime.pages import DEFAULT_PAGE_SIZE, Pages, as_tensor  # noqa: E402

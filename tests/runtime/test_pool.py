@@ -11,19 +11,19 @@ import threading
 import pytest
 
 pytest.importorskip(
-    "kvcached._kvpages",
-    reason="kvcached._kvpages is not built (pip install -e . compiles it from csrc/)",
+    "kvcached.runtime._kvpages",
+    reason="kvcached.runtime._kvpages is not built (pip install -e . compiles it from csrc/)",
 )
 
+from kvcached.node.segment import create_segment, read_segment  # noqa: E402
 from kvcached.runtime.pool import (  # noqa: E402
     Geometry,
     KVPool,
     LocalMapper,
     PoolExhausted,
 )
-from kvcached.segment import create_segment, read_segment  # noqa: E402
 
-from .helpers import wait_for
+from ..waiting import wait_for
 
 pytestmark = pytest.mark.ext
 
@@ -49,7 +49,8 @@ def mapper():
 
 def _set_limit_from_another_process(path: str, total: int) -> None:
     """What `kvctl limit` does: another process rewrites total under the segment lock."""
-    code = "import sys; from kvcached.segment import write_segment; write_segment(sys.argv[1], total=int(sys.argv[2]))"
+    code = ("import sys; from kvcached.node.segment import write_segment; "
+                "write_segment(sys.argv[1], total=int(sys.argv[2]))")
     subprocess.run([sys.executable, "-c", code, path, str(total)], check=True, timeout=30)
 
 
@@ -64,14 +65,14 @@ def _assert_consistent(pool: KVPool, mapper: LocalMapper, seg: str) -> None:
 
 def test_allocates_up_to_the_limit_then_reports_exhaustion(seg, mapper):
     with KVPool(mapper, GEO, BLOCK, segment_path=seg) as pool:
-        blocks = pool.alloc(20)           # 5 pages × 4 blocks: exactly the limit
+        blocks = pool.alloc(20)  # 5 pages × 4 blocks: exactly the limit
         assert sorted(blocks) == list(range(20))
         assert pool.mapped_pages() == [0, 1, 2, 3, 4]
         assert pool.available_blocks() == 0
         with pytest.raises(PoolExhausted, match="pool exhausted") as info:
             pool.alloc(1)
         assert f"limit {5 * PB} bytes" in str(info.value)
-        assert pool.mapped_pages() == [0, 1, 2, 3, 4]   # never mapped past the limit
+        assert pool.mapped_pages() == [0, 1, 2, 3, 4]  # never mapped past the limit
         _assert_consistent(pool, mapper, seg)
         assert read_segment(seg).used == 5 * PB
 
@@ -97,7 +98,7 @@ def test_pages_are_mapped_on_demand_and_unmapped_when_empty(seg, mapper):
         assert pool.mapped_pages() == []
         a = pool.alloc(1)
         assert pool.mapped_pages() == [0]
-        b = pool.alloc(3)                  # fills page 0 before mapping another
+        b = pool.alloc(3)  # fills page 0 before mapping another
         assert pool.mapped_pages() == [0]
         c = pool.alloc(1)
         assert pool.mapped_pages() == [0, 1]
@@ -114,15 +115,15 @@ def test_block_data_lives_in_the_mapped_page(mapper):
         (blk,) = pool.alloc(1)
         off = pool.block_offset(blk)
         view = mapper.ranges[1].buffer()
-        view[off:off + 4] = b"kvkv"
-        assert bytes(view[off:off + 4]) == b"kvkv"
+        view[off : off + 4] = b"kvkv"
+        assert bytes(view[off : off + 4]) == b"kvkv"
         view.release()
 
 
 def test_lowering_the_limit_releases_free_pages_within_one_step(seg, mapper):
     with KVPool(mapper, GEO, BLOCK, segment_path=seg, prealloc_pages=3, publish_interval=0) as pool:
-        used = pool.alloc(6)               # pages 0, 1 in use
-        pool.step()                        # pre-maps 3 free pages: 5 mapped = the limit
+        used = pool.alloc(6)  # pages 0, 1 in use
+        pool.step()  # pre-maps 3 free pages: 5 mapped = the limit
         assert pool.stats().prealloc_pages == 3
         assert pool.mapped_pages() == [0, 1, 2, 3, 4]
         _assert_consistent(pool, mapper, seg)
@@ -140,7 +141,7 @@ def test_lowering_the_limit_releases_free_pages_within_one_step(seg, mapper):
         assert st.mapped_pages == 2 and st.prealloc_pages == 0
         with pytest.raises(PoolExhausted):
             pool.alloc(3)
-        pool.free(used[4:])                # page 1 empties: over the limit, so unmapped
+        pool.free(used[4:])  # page 1 empties: over the limit, so unmapped
         assert pool.mapped_pages() == [0]
         _assert_consistent(pool, mapper, seg)
 
@@ -156,20 +157,18 @@ def test_raising_the_limit_is_seen_by_the_next_allocation(seg, mapper):
 def test_background_thread_premaps_and_follows_the_limit(seg, mapper):
     with KVPool(mapper, GEO, BLOCK, segment_path=seg, prealloc_pages=2, step_interval=0.05) as pool:
         wait_for(lambda: pool.stats().prealloc_pages == 2)
-        pool.alloc(4)                      # takes a pre-mapped page; the thread tops up
+        pool.alloc(4)  # takes a pre-mapped page; the thread tops up
         wait_for(lambda: pool.stats().prealloc_pages == 2 and pool.stats().mapped_pages == 3)
         _set_limit_from_another_process(seg, 2 * PB)
         wait_for(lambda: pool.stats().mapped_pages == 2, timeout=3.0)
         _assert_consistent(pool, mapper, seg)
 
 
-
 @pytest.mark.parametrize("publish_interval", [0.0, 60.0])
 def test_used_and_prealloc_in_the_segment_match_the_pool(seg, mapper, publish_interval):
     rnd = random.Random(5)
     live: list[int] = []
-    with KVPool(mapper, GEO, BLOCK, segment_path=seg, prealloc_pages=1,
-                publish_interval=publish_interval) as pool:
+    with KVPool(mapper, GEO, BLOCK, segment_path=seg, prealloc_pages=1, publish_interval=publish_interval) as pool:
         for i in range(300):
             if live and (rnd.random() < 0.45 or pool.available_blocks() == 0):
                 k = rnd.randint(1, len(live))
@@ -204,7 +203,7 @@ def test_bad_frees_raise(mapper):
             pool.free([b, b])
         with pytest.raises(IndexError):
             pool.free([b, -1])
-        assert pool.stats().used_blocks == 1   # all or nothing: b is still allocated
+        assert pool.stats().used_blocks == 1  # all or nothing: b is still allocated
         pool.free([b])
         with pytest.raises(ValueError, match="not allocated"):
             pool.free([b])
@@ -231,8 +230,9 @@ def test_close_unmaps_everything_and_publishes_zero(seg, mapper):
 
 def test_threads_and_background_premapping_keep_the_books(seg, mapper):
     errors: list[BaseException] = []
-    with KVPool(mapper, GEO, BLOCK, segment_path=seg, prealloc_pages=2, step_interval=0.005,
-                publish_interval=0) as pool:
+    with KVPool(
+        mapper, GEO, BLOCK, segment_path=seg, prealloc_pages=2, step_interval=0.005, publish_interval=0
+    ) as pool:
 
         def churn(seed: int) -> None:
             rnd = random.Random(seed)

@@ -11,16 +11,16 @@ import tempfile
 import pytest
 
 pytest.importorskip(
-    "kvcached._kvpages",
-    reason="kvcached._kvpages is not built (pip install -e . compiles it from csrc/)",
+    "kvcached.runtime._kvpages",
+    reason="kvcached.runtime._kvpages is not built (pip install -e . compiles it from csrc/)",
 )
 
-from kvcached.harness import start_deployment  # noqa: E402
-from kvcached.layout import Layout  # noqa: E402
+from kvcached.node.layout import Layout  # noqa: E402
+from kvcached.node.segment import read_segment  # noqa: E402
+from kvcached.runtime.harness import start_deployment  # noqa: E402
 from kvcached.runtime.pool import BroadcastMapper  # noqa: E402
-from kvcached.segment import read_segment  # noqa: E402
 
-from .helpers import wait_for
+from ..waiting import wait_for
 
 pytestmark = pytest.mark.ext
 

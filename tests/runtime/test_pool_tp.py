@@ -12,12 +12,13 @@ from dataclasses import dataclass
 import pytest
 
 pytest.importorskip(
-    "kvcached._kvpages",
-    reason="kvcached._kvpages is not built (pip install -e . compiles it from csrc/)",
+    "kvcached.runtime._kvpages",
+    reason="kvcached.runtime._kvpages is not built (pip install -e . compiles it from csrc/)",
 )
 
-from kvcached.ipc.client import Client  # noqa: E402
-from kvcached.layout import Layout  # noqa: E402
+from kvcached.node.layout import Layout  # noqa: E402
+from kvcached.node.segment import create_segment, read_segment  # noqa: E402
+from kvcached.runtime.ipc.client import Client  # noqa: E402
 from kvcached.runtime.pool import (  # noqa: E402
     BroadcastMapper,
     Geometry,
@@ -26,9 +27,8 @@ from kvcached.runtime.pool import (  # noqa: E402
     PoolExhausted,
     start_engine_pool,
 )
-from kvcached.segment import create_segment, read_segment  # noqa: E402
 
-from .helpers import wait_for  # noqa: E402
+from ..waiting import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.ext
 
@@ -57,8 +57,8 @@ def layout():
 
 _WORKER = """
 import signal, sys
-from kvcached.ipc.listener import WorkerListener
-from kvcached.layout import Layout
+from kvcached.runtime.ipc.listener import WorkerListener
+from kvcached.node.layout import Layout
 from kvcached.runtime.pool import attach_worker
 root, name, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 listener = WorkerListener(Layout(root), name, rank)
@@ -156,7 +156,8 @@ def test_engine_pool_follows_kvctl_limit_across_workers(workers, layout):
         assert len(pool.mapped_pages()) == 4
 
         # `kvctl limit` from another process: the background step releases the reserve.
-        code = "import sys; from kvcached.segment import write_segment; write_segment(sys.argv[1], total=int(sys.argv[2]))"
+        code = ("import sys; from kvcached.node.segment import write_segment; "
+                "write_segment(sys.argv[1], total=int(sys.argv[2]))")
         subprocess.run([sys.executable, "-c", code, workers.segment, str(3 * pb)], check=True, timeout=30)
         wait_for(lambda: read_segment(workers.segment).prealloc == 1 * pb, timeout=5.0)
         assert len(pool.mapped_pages()) == 3
@@ -168,11 +169,10 @@ def test_engine_pool_follows_kvctl_limit_across_workers(workers, layout):
     assert (info.used, info.prealloc) == (0, 0)
 
 
-
 def test_owner_waits_for_workers_that_create_their_own_tensors(workers, layout):
     mapper = BroadcastMapper(layout, workers.name, tp_size=2, page_size=PAGE, timeout=5.0)
     with pytest.raises(MapError, match="not created within"):
         mapper.wait_created(timeout=0.2)
-    for path in mapper.paths:               # stand-in for each worker creating its own tensors
+    for path in mapper.paths:  # stand-in for each worker creating its own tensors
         Client(path).call("create_kv_tensors", **GEO.to_dict())
     mapper.wait_created(timeout=5.0)

@@ -8,7 +8,7 @@ import pytest
 
 from kvcached.integration.engine_state import ENV_DP, engine_name
 from kvcached.integration.limits import ENV_LIMIT, resolve_limit
-from kvcached.units import BadValue
+from kvcached.node.units import BadValue
 
 GPU = 80 << 30
 

@@ -18,19 +18,21 @@ P = 64 * 1024  # page size in these tables
 def layer_outer(layers: int, blocks: int, page: int, heads: int = 1) -> Footprint:
     """LBHNC/LBNHC: each layer a region of `blocks` pages of `page` bytes (block stride = page)."""
     region = blocks * page
-    return Footprint.build(layers * region, blocks, [(page, l * region, page) for l in range(layers)])
+    return Footprint.build(layers * region, blocks, [(page, layer * region, page) for layer in range(layers)])
 
 
 def block_outer(layers: int, blocks: int, page: int) -> Footprint:
     """BLHNC: every block holds all layers' pages side by side (block stride = layers * page)."""
-    return Footprint.build(layers * blocks * page, blocks, [(layers * page, l * page, page) for l in range(layers)])
+    return Footprint.build(
+        layers * blocks * page, blocks, [(layers * page, layer * page, page) for layer in range(layers)]
+    )
 
 
 def head_outer(layers: int, blocks: int, heads: int, row: int) -> Footprint:
     """LHBNC: per layer, per head, a region of `blocks` rows of `row` bytes."""
     head_region = blocks * row
     layer_region = heads * head_region
-    runs = [(row, l * layer_region + h * head_region, row) for l in range(layers) for h in range(heads)]
+    runs = [(row, layer * layer_region + h * head_region, row) for layer in range(layers) for h in range(heads)]
     return Footprint.build(layers * layer_region, blocks, runs)
 
 
@@ -50,7 +52,7 @@ CASES = {
     "block-outer": block_outer(4, 50, 4 * 1024),
     "head-outer": head_outer(2, 64, 3, 4 * 1024),
     "MLA-like rows (not a divisor of the page)": layer_outer(3, 60, 18_432),
-    "padded pages": Footprint.build(2 * 30 * 20_480, 30, [(20_480, l * 30 * 20_480, 18_000) for l in range(2)]),
+    "padded pages": Footprint.build(2 * 30 * 20_480, 30, [(20_480, layer * 30 * 20_480, 18_000) for layer in range(2)]),
 }
 
 
@@ -81,9 +83,9 @@ def test_exact_group_sizes_own_their_pages(name: str) -> None:
 
 
 def test_group_sizes_follow_the_strides() -> None:
-    assert min_blocks_per_page(CASES["layer-outer, 4 blocks a page"], P) == 4       # 64 KiB / 16 KiB
-    assert min_blocks_per_page(CASES["block-outer"], P) == 4                        # stride 16 KiB
-    assert min_blocks_per_page(CASES["head-outer"], P) == 16                        # stride 4 KiB
+    assert min_blocks_per_page(CASES["layer-outer, 4 blocks a page"], P) == 4  # 64 KiB / 16 KiB
+    assert min_blocks_per_page(CASES["block-outer"], P) == 4  # stride 16 KiB
+    assert min_blocks_per_page(CASES["head-outer"], P) == 16  # stride 4 KiB
     # 18,432-byte rows: an exact size would be 32 blocks (9 pages a run); a page's worth (4) shares instead.
     assert min_blocks_per_page(CASES["MLA-like rows (not a divisor of the page)"], P) == 4
     # One group per two blocks of a 128 KiB stride is still exact (2 pages per run).

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached import naming
-from kvcached.errors import InvalidName, PathTooLong
-from kvcached.layout import Layout, PathKind, PathRef
+from kvcached.node import naming
+from kvcached.node.errors import InvalidName, PathTooLong
+from kvcached.node.layout import Layout, PathKind, PathRef
 
 
 def test_sanitize_matches_upstream_rule() -> None:

@@ -16,9 +16,10 @@ from typing import Any
 
 from .cleanup import Entry, Plan, Report, execute, plan
 from .decide import DEFAULT_GRACE, Decision, Policy, State
+from .enums import StrEnum
 from .errors import KvcachedError
 from .layout import Layout
-from .scan import Kind, StrEnum
+from .scan import Kind
 
 
 class Outcome(StrEnum):
@@ -89,7 +90,7 @@ def _orphans(p: Plan) -> tuple[list[Any], set[int], list[Any]]:
     """(orphans, pids kvctl may kill, their (deployment, process) pairs)."""
     if not p.roots:  # nothing to group: a clean node stays fast
         return [], set(), []
-    from .inspect import build_view
+    from .view import build_view
 
     view = build_view(p, read_segments=False, namespaces=False)
     targets = view.killable_orphans()

@@ -6,21 +6,22 @@ dry run prints is what a real run in a quiet state removes.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import fnmatch
 import os
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, NamedTuple, Sequence
+from typing import NamedTuple
 
 from .decide import Decision, Policy, State, decide_tree, settle
+from .enums import StrEnum
 from .facts import Facts, gather_facts
-from .ident import fd_handle, file_handle, same_file
+from .ident import Unlinked, fd_handle, same_file, unlink_if_same
 from .layout import Layout
 from .lease import ofd_lock
-from .scan import Candidate, Kind, StrEnum, scan
+from .scan import Candidate, Kind, scan
 
 
 class Action(StrEnum):
@@ -182,34 +183,19 @@ class _Actor:
             self.record(c, d, Action.KEPT, "time limit reached")
             return False
         try:
-            st = os.stat(c.name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            self.record(c, d, Action.REMOVED, "already gone")
-            return True
+            done = unlink_if_same(dir_fd, c.name, c.ident, c.handle, rmdir=rmdir, dry_run=self.dry_run)
         except OSError as e:
-            self.record(c, d, Action.FAILED, f"stat: {e.strerror}")
+            self.record(c, d, Action.FAILED, f"{'rmdir' if rmdir else 'unlink'}: {e.strerror}")
             return False
-        if (st.st_dev, st.st_ino) != c.ident or not same_file(c.handle, file_handle(c.name, dir_fd)):
+        if done is Unlinked.REPLACED:
             # A successor re-created this name between scan and act: it is not what we decided on.
             self.record(c, d, Action.KEPT, "replaced since the scan")
             return False
-        if self.dry_run:
-            self.record(c, d, Action.WOULD_REMOVE)
-            return True
-        try:
-            if rmdir:
-                os.rmdir(c.name, dir_fd=dir_fd)
-            else:
-                os.unlink(c.name, dir_fd=dir_fd)
-        except FileNotFoundError:
-            pass  # someone else removed it: the goal is met
-        except OSError as e:
-            if e.errno == errno.ENOTEMPTY:
-                self.record(c, d, Action.KEPT, "no longer empty")
-            else:
-                self.record(c, d, Action.FAILED, f"{'rmdir' if rmdir else 'unlink'}: {e.strerror}")
+        if done is Unlinked.NOT_EMPTY:
+            self.record(c, d, Action.KEPT, "no longer empty")
             return False
-        self.record(c, d, Action.REMOVED)
+        self.record(c, d, Action.WOULD_REMOVE if done is Unlinked.WOULD else Action.REMOVED,
+                    "already gone" if done is Unlinked.GONE else "")
         return True
 
     def act_segment(self, shm_dir: str, c: Candidate, d: Decision) -> None:
@@ -266,11 +252,21 @@ class _Actor:
             fd = os.open(c.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
         except FileNotFoundError:
             for sub in c.walk():
-                self.record(sub, decisions[sub.path], Action.REMOVED if decisions[sub.path].state is State.STALE else Action.KEPT, "already gone")
+                self.record(
+                    sub,
+                    decisions[sub.path],
+                    Action.REMOVED if decisions[sub.path].state is State.STALE else Action.KEPT,
+                    "already gone",
+                )
             return True
         except OSError as e:
             for sub in c.walk():
-                self.record(sub, decisions[sub.path], Action.FAILED if decisions[sub.path].state is State.STALE else Action.KEPT, f"open: {e.strerror}")
+                self.record(
+                    sub,
+                    decisions[sub.path],
+                    Action.FAILED if decisions[sub.path].state is State.STALE else Action.KEPT,
+                    f"open: {e.strerror}",
+                )
             return False
         try:
             st = os.fstat(fd)
@@ -314,8 +310,9 @@ class _Actor:
             os.close(tmp_fd)
 
 
-def execute(p: Plan, *, dry_run: bool, time_limit: float | None = None,
-            progress: Callable[[Entry], None] | None = None) -> Report:
+def execute(
+    p: Plan, *, dry_run: bool, time_limit: float | None = None, progress: Callable[[Entry], None] | None = None
+) -> Report:
     """Act on the plan's stale entries only; everything else is reported as kept.
 
     Segments go first: a socket directory may be the only thing that names its
@@ -349,7 +346,15 @@ def execute(p: Plan, *, dry_run: bool, time_limit: float | None = None,
     return Report(dry_run, actor.entries, list(p.errors), started, time.time(), actor.timed_out)
 
 
-def run_cleanup(layout: Layout, policy: Policy | None = None, *, dry_run: bool = False,
-                time_limit: float | None = None, **plan_kw: object) -> Report:
-    """Plan and act in one call (what `kvctl gc` and the runtime's start-up sweep do)."""
-    return execute(plan(layout, policy, **plan_kw), dry_run=dry_run, time_limit=time_limit)  # type: ignore[arg-type]
+def run_cleanup(
+    layout: Layout,
+    policy: Policy | None = None,
+    *,
+    dry_run: bool = False,
+    time_limit: float | None = None,
+    names: Iterable[str] = (),
+    globs: Sequence[str] = (),
+    kinds: Iterable[Kind] = (),
+) -> Report:
+    """Plan and act in one call, for library users; `kvctl gc` adds the lock and metrics on top (gcrun.py)."""
+    return execute(plan(layout, policy, names=names, globs=globs, kinds=kinds), dry_run=dry_run, time_limit=time_limit)

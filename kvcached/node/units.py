@@ -117,3 +117,8 @@ def format_duration(seconds: float | None) -> str:
         if s >= mult:
             return f"{int(s // mult)}{unit}"
     return f"{int(s)}s"
+
+
+def entries(n: int, what: str = "") -> str:
+    """`1 live entry`, `3 live entries`: counts in messages read as sentences."""
+    return f"{n} {what + ' ' if what else ''}entr{'y' if n == 1 else 'ies'}"

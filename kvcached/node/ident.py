@@ -10,9 +10,12 @@ btrfs and tmpfs, which differs between the two.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
 
 AT_EMPTY_PATH = 0x1000
 MAX_HANDLE_SZ = 128
@@ -27,7 +30,7 @@ _api: dict[str, Any] = {}
 def _load() -> Callable[..., int] | None:
     """Bind name_to_handle_at on first use: ctypes costs start-up time kvctl rarely needs."""
     if "fn" in _api:
-        return _api["fn"]  # type: ignore[no-any-return]
+        return _api["fn"]
     import ctypes
 
     fn: Any = None
@@ -42,7 +45,7 @@ def _load() -> Callable[..., int] | None:
     except (OSError, AttributeError):
         fn = None
     _api.update(fn=fn, ctypes=ctypes)
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def _buffers() -> tuple[Any, Any]:
@@ -52,7 +55,7 @@ def _buffers() -> tuple[Any, Any]:
     if bufs is None:
         ctypes = _api["ctypes"]
         bufs = _local.bufs = ((ctypes.c_char * (_HEADER + MAX_HANDLE_SZ))(), ctypes.byref(ctypes.c_int()))
-    return bufs  # type: ignore[no-any-return]
+    return bufs
 
 
 def _handle(fn: Callable[..., int], dir_fd: int, name: bytes, flags: int) -> bytes | None:
@@ -81,3 +84,44 @@ def fd_handle(fd: int) -> bytes | None:
 def same_file(a: bytes | None, b: bytes | None) -> bool:
     """Handles agree, or one side could not be taken (then (st_dev, st_ino) alone decides)."""
     return a is None or b is None or a == b
+
+
+class Unlinked(Enum):
+    """What `unlink_if_same` found and did."""
+
+    DONE = "done"            # removed
+    GONE = "gone"            # not there (before or during): the goal is met
+    REPLACED = "replaced"    # another file has the name now: never ours to remove
+    WOULD = "would"          # a dry run: it would have been removed
+    NOT_EMPTY = "not_empty"  # a directory that gained an entry since it was judged
+
+
+def unlink_if_same(dir_fd: int, name: str, ident: tuple[int, int], handle: bytes | None, *,
+                   rmdir: bool = False, dry_run: bool = False) -> Unlinked:
+    """Remove `name` in `dir_fd` only while it is still the file we decided on.
+
+    unlink(2) has no inode guard: a successor may have re-created the name
+    since it was judged, so (st_dev, st_ino) and the file handle are checked
+    again, through the same directory fd, right before the removal. Other
+    errors (EACCES, EBUSY) are raised as OSError.
+    """
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return Unlinked.GONE
+    if (st.st_dev, st.st_ino) != ident or not same_file(handle, file_handle(name, dir_fd)):
+        return Unlinked.REPLACED
+    if dry_run:
+        return Unlinked.WOULD
+    try:
+        if rmdir:
+            os.rmdir(name, dir_fd=dir_fd)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return Unlinked.GONE  # someone else removed it meanwhile
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return Unlinked.NOT_EMPTY
+        raise
+    return Unlinked.DONE

@@ -13,11 +13,11 @@ import os
 import select
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
+from .enums import StrEnum
 from .facts import START_SLACK, ProcessInfo, process_start_time
-from .scan import StrEnum
 
 
 class Outcome(StrEnum):

@@ -18,7 +18,7 @@ from .lease import SegmentLease
 from .scan import Kind
 from .segment import SegmentInfo, create_segment, read_segment
 
-log = logging.getLogger("kvcached.startup")
+log = logging.getLogger("kvcached.node.startup")
 
 
 class SegmentConflict(KvcachedError):

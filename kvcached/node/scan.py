@@ -11,24 +11,18 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Iterable, NamedTuple
+from typing import Any, NamedTuple
 
 from . import naming
+from .enums import StrEnum
 from .facts import Facts
 from .ident import file_handle
-from .lease import ofd_conflict
 from .layout import Layout
+from .lease import ofd_conflict
 from .segment import SEGMENT_SIZE, has_mark, peek_limit
 from .sockdiag import Bind, bound
-
-
-class StrEnum(str, Enum):
-    """str-valued enum (Python 3.10 has no enum.StrEnum)."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class Kind(StrEnum):
@@ -81,14 +75,14 @@ class Candidate(NamedTuple):
     hash_ok: bool = True
     parent_uid: int | None = None
     cross_mount: bool = False
-    children: tuple["Candidate", ...] = ()
+    children: tuple[Candidate, ...] = ()
     extras: tuple[str, ...] = ()   # names inside a socket directory that are not ours
     lease: bool | None = None      # a lease or lock observed on it (None: not tested)
     bind: Bind | None = None       # bind test of a socket node no listing shows (None: not tested)
     bind_errno: str | None = None
     by_shape: bool = False         # a segment found only by its shape: nothing names it
 
-    def walk(self) -> Iterable["Candidate"]:
+    def walk(self) -> Iterable[Candidate]:
         """This candidate and every candidate below it, children first."""
         for child in self.children:
             yield from child.walk()
@@ -137,9 +131,15 @@ def _scan_socket_dir(parent_fd: int, parent_st: os.stat_result, name: str, path:
                      obs: _Observer, inherited: bool = False) -> Candidate:
     st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
     lease = obs.dir_lease((st.st_dev, st.st_ino), inherited) if stat.S_ISDIR(st.st_mode) else None
-    common: dict[str, Any] = dict(deployment=deployment, hash_ok=hash_ok, stage=stage, handle=file_handle(name, parent_fd),
-                  parent_uid=parent_st.st_uid if stage is not None else None,
-                  cross_mount=st.st_dev != parent_st.st_dev, lease=lease)
+    common: dict[str, Any] = dict(
+        deployment=deployment,
+        hash_ok=hash_ok,
+        stage=stage,
+        handle=file_handle(name, parent_fd),
+        parent_uid=parent_st.st_uid if stage is not None else None,
+        cross_mount=st.st_dev != parent_st.st_dev,
+        lease=lease,
+    )
     if not stat.S_ISDIR(st.st_mode) or st.st_dev != parent_st.st_dev or not hash_ok:
         return candidate_from_stat(Kind.DIRECTORY, path, name, st, **common)
     try:
@@ -165,19 +165,33 @@ def _scan_socket_dir(parent_fd: int, parent_st: os.stat_result, name: str, path:
             rank = naming.parse_socket_name(entry)
             if rank is not None:
                 test, terr = (None, None) if lease else obs.socket(child_path, fd, cst)
-                children.append(candidate_from_stat(Kind.SOCKET, child_path, entry, cst, deployment=deployment,
-                                            rank=rank, stage=stage or 0, parent_uid=fst.st_uid,
-                                            handle=file_handle(entry, fd), lease=True if lease else None,
-                                            bind=test, bind_errno=terr))
+                children.append(
+                    candidate_from_stat(
+                        Kind.SOCKET,
+                        child_path,
+                        entry,
+                        cst,
+                        deployment=deployment,
+                        rank=rank,
+                        stage=stage or 0,
+                        parent_uid=fst.st_uid,
+                        handle=file_handle(entry, fd),
+                        lease=True if lease else None,
+                        bind=test,
+                        bind_errno=terr,
+                    )
+                )
                 continue
             sub_stage = naming.parse_stage_name(entry) if stage is None else None
             if sub_stage is not None:
-                children.append(_scan_socket_dir(fd, fst, entry, child_path, deployment, True,
-                                                 sub_stage, errors, obs, bool(lease)))
+                children.append(
+                    _scan_socket_dir(fd, fst, entry, child_path, deployment, True, sub_stage, errors, obs, bool(lease))
+                )
             else:
                 extras.append(entry)
-        return candidate_from_stat(Kind.DIRECTORY, path, name, st, children=tuple(children),
-                          extras=tuple(extras), **common)
+        return candidate_from_stat(
+            Kind.DIRECTORY, path, name, st, children=tuple(children), extras=tuple(extras), **common
+        )
     finally:
         os.close(fd)
 
@@ -209,9 +223,19 @@ def scan(layout: Layout, names: Iterable[str] = (), facts: Facts | None = None) 
                     continue
                 dep, hash_ok = parsed
                 try:
-                    result.candidates.append(_scan_socket_dir(
-                        tmp_fd, tmp_st, entry, os.path.join(layout.tmp_dir, entry), dep, hash_ok,
-                        None, result.errors, obs))
+                    result.candidates.append(
+                        _scan_socket_dir(
+                            tmp_fd,
+                            tmp_st,
+                            entry,
+                            os.path.join(layout.tmp_dir, entry),
+                            dep,
+                            hash_ok,
+                            None,
+                            result.errors,
+                            obs,
+                        )
+                    )
                 except FileNotFoundError:
                     continue
                 if hash_ok:
@@ -244,8 +268,15 @@ def scan(layout: Layout, names: Iterable[str] = (), facts: Facts | None = None) 
                     if limit is None or limit <= 0:
                         continue
                     by_shape = True
-            c = candidate_from_stat(Kind.SEGMENT, os.path.join(layout.shm_dir, entry), entry, st,
-                           deployment=entry, handle=file_handle(entry, shm_fd), by_shape=by_shape)
+            c = candidate_from_stat(
+                Kind.SEGMENT,
+                os.path.join(layout.shm_dir, entry),
+                entry,
+                st,
+                deployment=entry,
+                handle=file_handle(entry, shm_fd),
+                by_shape=by_shape,
+            )
             if facts is not None and c.ftype is FileType.REGULAR and c.nlink == 1:
                 c = c._replace(lease=_segment_lease(c, facts))
             result.candidates.append(c)

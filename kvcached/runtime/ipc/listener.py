@@ -10,16 +10,17 @@ import socket
 import stat
 import struct
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from ..errors import KvcachedError, ProtocolError, SocketInUse, UnsafeDirectory
-from ..facts import gather_facts
-from ..layout import Layout
-from ..lease import DirLease
-from ..sockdiag import Bind, bound
+from ...node.errors import KvcachedError, ProtocolError, SocketInUse, UnsafeDirectory
+from ...node.facts import gather_facts
+from ...node.layout import Layout
+from ...node.lease import DirLease
+from ...node.sockdiag import Bind, bound
 from .protocol import REPLY, REQUEST, VERSION, encode, recv_frame
 
-log = logging.getLogger("kvcached.ipc")
+log = logging.getLogger("kvcached.runtime.ipc")
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 _UCRED = struct.Struct("3i")
@@ -120,7 +121,7 @@ class WorkerListener:
         if result is not Bind.GONE:
             raise SocketInUse(self.path, (), f"cannot prove it dead (bind test: {err})")
 
-    def start(self) -> "WorkerListener":
+    def start(self) -> WorkerListener:
         """Create the directory, take the lease, clear a stale node, bind and serve."""
         with self._lock:
             if self._sock is not None:
@@ -260,7 +261,7 @@ class WorkerListener:
             finally:
                 lease.release()
 
-    def __enter__(self) -> "WorkerListener":
+    def __enter__(self) -> WorkerListener:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -15,7 +15,7 @@ ENV_NAME = "KVCACHED_IPC_NAME"
 # Default names: kvcached_<Tag>_<PGID>, optionally with our `_dp<rank>` data-parallel
 # suffix, then the `_g<id>` group suffix or the `_<n>` uniqueness suffix
 # upstream's code paths mention.
-DEFAULT_NAME_RE = re.compile(r"^kvcached_(vLLM|SGLang|proc)_([0-9]+)(?:_dp[0-9]+)?(?:_g[0-9]+|_[0-9]+)?\Z")
+DEFAULT_NAME_RE = re.compile(rf"^kvcached_({'|'.join(TAGS)})_([0-9]+)(?:_dp[0-9]+)?(?:_g[0-9]+|_[0-9]+)?\Z")
 # Every DP rank of one serve is its own engine with its own KV pool: it gets its
 # own name, `<serve name>_dp<rank>` (LAYOUT.md has no DP rule: upstream gives all
 # ranks one name and their workers collide on the same sockets).

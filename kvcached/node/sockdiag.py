@@ -26,8 +26,8 @@ import socket
 import struct
 import threading
 from collections import defaultdict
-from enum import Enum
 
+from .enums import StrEnum
 from .layout import SUN_PATH_MAX
 
 NETLINK_SOCK_DIAG = 4
@@ -48,7 +48,7 @@ _RTATTR = struct.Struct("=HH")              # len, type
 _UNIX_DIAG_VFS = struct.Struct("=II")       # vfs inode, vfs dev (the kernel's dev_t encoding)
 
 
-class Bind(str, Enum):
+class Bind(StrEnum):
     """What a passive bind test found at a socket node."""
 
     BOUND = "bound"        # a socket is bound to this file: a listener, or one about to listen
@@ -56,9 +56,6 @@ class Bind(str, Enum):
     DENIED = "denied"      # EACCES/EPERM: we may not look
     GONE = "gone"          # ENOENT: removed meanwhile
     ERROR = "error"        # anything else
-
-    def __str__(self) -> str:
-        return self.value
 
 
 def bound(path: str, dir_fd: int | None = None) -> tuple[Bind, str | None]:

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from .cleanup import Action, Entry, Plan
 from .decide import State
+from .enums import StrEnum
 from .errors import KvcachedError, SegmentBusy
 from .facts import START_SLACK, Facts, ProcessInfo
 from .layout import Layout
 from .naming import default_name_pgid, split_dp_rank
-from .scan import Candidate, FileType, Kind, StrEnum
+from .scan import Candidate, FileType, Kind
 from .segment import SegmentInfo, read_segment
 
 
@@ -56,7 +58,7 @@ _VLLM_WORKER_RE = re.compile(r"^VLLM::Worker(?:_TP(\d+))?(?:_PP(\d+))?|^VllmWork
 _VLLM_ENGINE_RE = re.compile(r"^VLLM::EngineCor|^EngineCore")
 _VLLM_API_RE = re.compile(r"^VLLM::APIServer|^VLLM::API")
 _SGLANG_ENGINE_RE = re.compile(r"^sglang::scheduler")
-_HARNESS_MODULE = "kvcached.harness"
+_HARNESS_MODULE = "kvcached.runtime.harness"
 
 
 @dataclass(frozen=True)

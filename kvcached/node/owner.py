@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 from .decide import Policy, State, decide
 from .facts import listening_facts
-from .ident import fd_handle, file_handle, same_file
+from .ident import Unlinked, fd_handle, file_handle, same_file, unlink_if_same
 from .layout import Layout
-from .lease import _ForkSafe, ofd_conflict
+from .lease import ForkSafe, ofd_conflict
 from .scan import Kind, candidate_from_stat
 from .sockdiag import bound
 
-log = logging.getLogger("kvcached.owner")
+log = logging.getLogger("kvcached.node.owner")
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class _Node:
     handle: bytes | None
 
 
-class SegmentCleanup(_ForkSafe):
+class SegmentCleanup(ForkSafe):
     """Pin the segment's inode at capture; later unlink it only if the path still names that inode."""
 
     def __init__(self, layout: Layout, name: str) -> None:
@@ -105,16 +105,16 @@ class SegmentCleanup(_ForkSafe):
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return OwnerResult(kept=((self.path, "in use; will retry"),))
-        # Re-check the name after taking the lock: unlink(2) has no inode guard.
-        cur = os.lstat(self.path)
-        if (cur.st_dev, cur.st_ino) != (pinned.st_dev, pinned.st_ino):
-            self._finish()
-            return OwnerResult(kept=((self.path, "replaced by a successor"),), complete=True)
+        # The name is checked again (through the directory) after taking the lock.
+        parent = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+            done = unlink_if_same(parent, os.path.basename(self.path), (pinned.st_dev, pinned.st_ino),
+                                  fd_handle(self._fd))
+        finally:
+            os.close(parent)
         self._finish()
+        if done is Unlinked.REPLACED:
+            return OwnerResult(kept=((self.path, "replaced by a successor"),), complete=True)
         log.info("removed segment %s", self.path)
         return OwnerResult(removed=(self.path,), complete=True)
 
@@ -220,17 +220,14 @@ class WorkerSocketCleanup:
                 if d.state is not State.STALE:
                     kept.append((path, f"{d.state}: {d.detail}"))
                     continue
-                if not same_file(node.handle, file_handle(os.path.basename(path), dir_fd)):
-                    del self._pending[path]  # replaced while we probed
-                    continue
                 try:
-                    os.unlink(os.path.basename(path), dir_fd=dir_fd)
-                except FileNotFoundError:
-                    pass
+                    done = unlink_if_same(dir_fd, os.path.basename(path), node.ident, node.handle)
                 except OSError as e:
                     errors.append(f"{path}: {e.strerror}")
                     continue
                 del self._pending[path]
+                if done is Unlinked.REPLACED:
+                    continue  # replaced while we tested it: a successor's
                 removed.append(path)
                 emptied_stages.add(node.stage)
             finally:

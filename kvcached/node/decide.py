@@ -8,14 +8,16 @@ owner's shutdown cleanup, `kvctl gc`, `delete`, `inspect`, `doctor`) asks it.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Sequence
 
+from .enums import StrEnum
 from .facts import START_SLACK, Facts
 from .naming import default_name_pgid
-from .scan import Candidate, FileType, Kind, StrEnum
+from .scan import Candidate, FileType, Kind
 from .sockdiag import Bind
+from .units import entries
 
 DEFAULT_GRACE = 60.0
 
@@ -221,7 +223,7 @@ def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
         live = [d for d in children if d.state is State.LIVE]
         if live:
             pids = sorted({p for d in live for p in d.pids})
-            return _d(State.LIVE, Reason.CHILD_LIVE, f"{len(live)} live entr{'y' if len(live) == 1 else 'ies'} inside", pids)
+            return _d(State.LIVE, Reason.CHILD_LIVE, f"{entries(len(live), 'live')} inside", pids)
     alive, pgid_reused = _deployment_alive(c, facts)
     if alive is not None:
         return alive
@@ -230,16 +232,15 @@ def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
         return _LEASE_UNTESTED
     blind = facts.blind_spots(c.uid)
     if blind:
-        return _d(State.UNKNOWN, Reason.PROC_INCOMPLETE,
-                  "processes that could own it could not be fully read", blind)
+        return _d(State.UNKNOWN, Reason.PROC_INCOMPLETE, "processes that could own it could not be fully read", blind)
     if kind is Kind.DIRECTORY:
         for state, reason in ((State.UNKNOWN, Reason.CHILD_UNKNOWN), (State.YOUNG, Reason.CHILD_YOUNG)):
             hits = [d for d in children if d.state is state]
             if hits:
-                return _d(state, reason, f"{len(hits)} {state} entr{'y' if len(hits) == 1 else 'ies'} inside")
+                return _d(state, reason, f"{entries(len(hits), str(state))} inside")
         if c.extras or any(d.state is State.FOREIGN for d in children):
             n = len(c.extras) + sum(d.state is State.FOREIGN for d in children)
-            return _d(State.FOREIGN, Reason.CONTAINS_FOREIGN, f"holds {n} entr{'y' if n == 1 else 'ies'} not ours")
+            return _d(State.FOREIGN, Reason.CONTAINS_FOREIGN, f"holds {entries(n)} not ours")
 
     age = now - c.mtime
     if age < policy.grace:
@@ -251,8 +252,9 @@ def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
     return _ALL_STALE if children else _EMPTY_DIR
 
 
-def decide_tree(c: Candidate, facts: Facts, policy: Policy, now: float,
-                out: dict[str, Decision] | None = None) -> dict[str, Decision]:
+def decide_tree(
+    c: Candidate, facts: Facts, policy: Policy, now: float, out: dict[str, Decision] | None = None
+) -> dict[str, Decision]:
     """Decide a candidate and everything below it, keyed by path (added to `out` when given)."""
     out = {} if out is None else out
     _decide_into(c, facts, policy, now, out)
@@ -268,8 +270,11 @@ def _decide_into(c: Candidate, facts: Facts, policy: Policy, now: float, out: di
 # How strongly a state keeps an entry: a deployment's segment and directories
 # are kept as strongly as its most strongly kept entry.
 _KEEP_RANK = {State.STALE: 0, State.YOUNG: 1, State.UNKNOWN: 2, State.LIVE: 3}
-_RAISED_REASON = {State.LIVE: Reason.DEPLOYMENT_LIVE, State.UNKNOWN: Reason.DEPLOYMENT_UNKNOWN,
-                  State.YOUNG: Reason.DEPLOYMENT_YOUNG}
+_RAISED_REASON = {
+    State.LIVE: Reason.DEPLOYMENT_LIVE,
+    State.UNKNOWN: Reason.DEPLOYMENT_UNKNOWN,
+    State.YOUNG: Reason.DEPLOYMENT_YOUNG,
+}
 
 
 def settle(roots: Iterable[Candidate], decisions: dict[str, Decision]) -> None:
@@ -298,8 +303,9 @@ def settle(roots: Iterable[Candidate], decisions: dict[str, Decision]) -> None:
             continue
         ev = decisions[best.path]
         what = "its socket" if best.kind is Kind.SOCKET else f"its {best.kind}"
-        raised = _d(ev.state, _RAISED_REASON[ev.state],
-                    f"{what} {best.name} is {ev.state} ({ev.reason}: {ev.detail})", ev.pids)
+        raised = _d(
+            ev.state, _RAISED_REASON[ev.state], f"{what} {best.name} is {ev.state} ({ev.reason}: {ev.detail})", ev.pids
+        )
         for c in cands:
             if c.kind is Kind.SOCKET:
                 continue

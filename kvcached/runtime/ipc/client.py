@@ -6,7 +6,7 @@ import os
 import socket
 from typing import Any
 
-from ..errors import IpcError, ProtocolError
+from ...node.errors import IpcError, ProtocolError
 from .protocol import REPLY, REQUEST, encode, recv_frame
 
 

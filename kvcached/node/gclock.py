@@ -107,7 +107,7 @@ class GcLock:
             os.close(self._fd)  # the file stays: removing it would race a waiter that opened it
             self._fd = None
 
-    def __enter__(self) -> "GcLock":
+    def __enter__(self) -> GcLock:
         self.acquire()
         return self
 

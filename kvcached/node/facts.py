@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .lease import LockEntry, read_proc_locks
+from .mounts import hidepid
 from .naming import ENV_NAME, sanitize
 
 # Process start times come from boot-relative ticks plus a whole-second btime,
@@ -66,8 +67,6 @@ class Facts:
     """What one /proc pass saw; read-only once built."""
 
     proc_root: str
-    now: float
-    my_uid: int
     my_mnt_ns: str | None
     my_net_ns: str | None
     processes: dict[int, ProcessInfo] = field(default_factory=dict)
@@ -133,7 +132,7 @@ class Facts:
         if self.mapped_files is not None:
             return self.mapped_files
         out: dict[tuple[int, int], list[int]] = {}
-        for pid, p in self.processes.items():
+        for pid in self.processes:
             try:
                 raw = _read(f"{self.proc_root}/{pid}/maps")
             except PermissionError:
@@ -335,18 +334,6 @@ def _gone(e: OSError) -> bool:
     return e.errno in (errno.ENOENT, errno.ESRCH)
 
 
-def _hidepid(proc_root: str) -> bool:
-    try:
-        for line in _read(f"{proc_root}/self/mountinfo").splitlines():
-            fields = line.split(b" - ")
-            if len(fields) == 2 and fields[0].split()[4] == proc_root.encode() and b"hidepid=" in fields[1]:
-                opts = fields[1].split()[-1]
-                return not (b"hidepid=0" in opts or b"hidepid=off" in opts)
-    except (OSError, IndexError):
-        pass
-    return False
-
-
 def _listeners_of(netns_path: str | None) -> dict[tuple[int, int], set[int]]:
     from .sockdiag import listening_sockets
 
@@ -356,9 +343,7 @@ def _listeners_of(netns_path: str | None) -> dict[tuple[int, int], set[int]]:
 def listening_facts(proc_root: str = "/proc") -> Facts:
     """Only this network namespace's listening Unix sockets: what an engine owner needs to
     name who still serves its workers' nodes, without a full /proc pass."""
-    import time
-
-    facts = Facts(proc_root, time.time(), os.geteuid(), None, None)
+    facts = Facts(proc_root, None, None)
     try:
         facts.listeners = _listeners_of(None)
     except OSError:
@@ -366,18 +351,16 @@ def listening_facts(proc_root: str = "/proc") -> Facts:
     return facts
 
 
-def gather_facts(proc_root: str = "/proc", *, now: float | None = None) -> Facts:
+def gather_facts(proc_root: str = "/proc") -> Facts:
     """Read every process, and the listening Unix sockets of every network namespace we can enter, once."""
-    import time
-
     def my_ns(kind: str) -> str | None:
         try:
             return os.readlink(f"{proc_root}/self/ns/{kind}")
         except OSError:
             return None
 
-    facts = Facts(proc_root, time.time() if now is None else now, os.geteuid(), my_ns("mnt"), my_ns("net"))
-    facts.hidepid = _hidepid(proc_root)
+    facts = Facts(proc_root, my_ns("mnt"), my_ns("net"))
+    facts.hidepid = hidepid(proc_root)
     try:
         btime = _boot_time(proc_root)
         pids = [int(n) for n in os.listdir(proc_root) if n.isdigit()]

@@ -14,16 +14,19 @@ import os
 import stat
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from . import naming
 from .cleanup import Plan, plan
 from .decide import Policy, State
-from .inspect import NodeView, build_view
+from .enums import StrEnum
 from .layout import SUN_PATH_MAX, Layout
-from .scan import StrEnum
+from .mounts import mount_of
+from .units import entries
+from .view import NodeView, build_view
 
 
 class Status(StrEnum):
@@ -88,26 +91,6 @@ def _r(check: str, group: Group, status: Status, summary: str, fix: str | None =
     return [CheckResult(check, group, status, summary, fix, details)]
 
 
-def _mount_of(path: str, proc_root: str) -> tuple[str, str, str] | None:
-    """(mount point, fs type, super options) of the mount holding `path`, from mountinfo."""
-    try:
-        real = os.path.realpath(path)
-        with open(f"{proc_root}/self/mountinfo", "rb") as f:
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return None
-    best: tuple[str, str, str] | None = None
-    for line in lines:
-        pre, sep, post = line.partition(" - ")
-        if not sep:
-            continue
-        point = pre.split()[4].replace("\\040", " ")
-        fstype, _, opts = (post.split() + ["", "", ""])[:3]
-        if (real == point or real.startswith(point.rstrip("/") + "/")) and (best is None or len(point) >= len(best[0])):
-            best = (point, fstype, opts)
-    return best
-
-
 # environment ----------------------------------------------------------------
 
 def check_shm(ctx: Context) -> list[CheckResult]:
@@ -115,18 +98,38 @@ def check_shm(ctx: Context) -> list[CheckResult]:
     try:
         st = os.stat(d)
     except OSError as e:
-        return _r("shm-present", g, Status.FAIL, f"{d}: {e.strerror}", "mount a tmpfs there: mount -t tmpfs -o mode=1777 tmpfs /dev/shm")
+        return _r(
+            "shm-present",
+            g,
+            Status.FAIL,
+            f"{d}: {e.strerror}",
+            "mount a tmpfs there: mount -t tmpfs -o mode=1777 tmpfs /dev/shm",
+        )
     if not stat.S_ISDIR(st.st_mode):
-        return _r("shm-present", g, Status.FAIL, f"{d} is not a directory", "mount -t tmpfs -o mode=1777 tmpfs /dev/shm")
+        return _r(
+            "shm-present", g, Status.FAIL, f"{d} is not a directory", "mount -t tmpfs -o mode=1777 tmpfs /dev/shm"
+        )
     out = _r("shm-present", g, Status.OK, f"{d} present")
-    mount = _mount_of(d, ctx.proc_root)
+    mount = mount_of(d, ctx.proc_root)
     if mount is None:
-        out += _r("shm-tmpfs", g, Status.WARN, f"cannot tell what filesystem holds {d}", "check /proc/self/mountinfo is readable")
-    elif mount[1] == "tmpfs":
-        out += _r("shm-tmpfs", g, Status.OK, f"{d} is on tmpfs (mounted at {mount[0]})")
+        out += _r(
+            "shm-tmpfs",
+            g,
+            Status.WARN,
+            f"cannot tell what filesystem holds {d}",
+            "check /proc/self/mountinfo is readable",
+        )
+    elif mount.fstype == "tmpfs":
+        out += _r("shm-tmpfs", g, Status.OK, f"{d} is on tmpfs (mounted at {mount.point})")
     else:
-        out += _r("shm-tmpfs", g, Status.WARN, f"{d} is on {mount[1]} (mounted at {mount[0]}), not tmpfs: segments survive reboots there",
-                  "mount -t tmpfs -o mode=1777 tmpfs /dev/shm", fstype=mount[1])
+        out += _r(
+            "shm-tmpfs",
+            g,
+            Status.WARN,
+            f"{d} is on {mount.fstype} (mounted at {mount.point}), not tmpfs: segments survive reboots there",
+            "mount -t tmpfs -o mode=1777 tmpfs /dev/shm",
+            fstype=mount.fstype,
+        )
     try:
         vfs = os.statvfs(d)
     except OSError as e:
@@ -134,13 +137,31 @@ def check_shm(ctx: Context) -> list[CheckResult]:
     free, inodes = vfs.f_bavail * vfs.f_frsize, vfs.f_favail
     details: dict[str, Any] = {"free_bytes": free, "free_inodes": inodes}
     if free < 4096 or (vfs.f_files and inodes == 0):
-        out += _r("shm-space", g, Status.FAIL, f"{d} is full ({free} bytes, {inodes} inodes free): new segments cannot be created",
-                  f"remove stale state: {ctx.kvctl} gc --yes", **details)
+        out += _r(
+            "shm-space",
+            g,
+            Status.FAIL,
+            f"{d} is full ({free} bytes, {inodes} inodes free): new segments cannot be created",
+            f"remove stale state: {ctx.kvctl} gc --yes",
+            **details,
+        )
     elif free < (1 << 20) or (vfs.f_files and inodes < 100):
-        out += _r("shm-space", g, Status.WARN, f"{d} is nearly full ({free >> 10} KiB, {inodes} inodes free)",
-                  f"remove stale state: {ctx.kvctl} gc --yes", **details)
+        out += _r(
+            "shm-space",
+            g,
+            Status.WARN,
+            f"{d} is nearly full ({free >> 10} KiB, {inodes} inodes free)",
+            f"remove stale state: {ctx.kvctl} gc --yes",
+            **details,
+        )
     else:
-        out += _r("shm-space", g, Status.OK, f"{d}: {free >> 20} MiB and {inodes if vfs.f_files else 'unlimited'} inodes free", **details)
+        out += _r(
+            "shm-space",
+            g,
+            Status.OK,
+            f"{d}: {free >> 20} MiB and {inodes if vfs.f_files else 'unlimited'} inodes free",
+            **details,
+        )
     return out
 
 
@@ -149,12 +170,20 @@ def check_tmp(ctx: Context) -> list[CheckResult]:
     try:
         st = os.stat(d)
     except OSError as e:
-        return _r("tmp-sticky", Group.ENVIRONMENT, Status.FAIL, f"{d}: {e.strerror}", f"create it: install -d -m 1777 {d}")
+        return _r(
+            "tmp-sticky", Group.ENVIRONMENT, Status.FAIL, f"{d}: {e.strerror}", f"create it: install -d -m 1777 {d}"
+        )
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o002 and not mode & stat.S_ISVTX:
-        return _r("tmp-sticky", Group.ENVIRONMENT, Status.FAIL,
-                  f"{d} is world-writable without the sticky bit (mode {mode:o}): anyone can remove or replace worker sockets",
-                  f"chmod +t {d}", mode=f"{mode:o}")
+        return _r(
+            "tmp-sticky",
+            Group.ENVIRONMENT,
+            Status.FAIL,
+            f"{d} is world-writable without the sticky bit (mode {mode:o}): "
+            "anyone can remove or replace worker sockets",
+            f"chmod +t {d}",
+            mode=f"{mode:o}",
+        )
     return _r("tmp-sticky", Group.ENVIRONMENT, Status.OK, f"{d} mode {mode:o}", mode=f"{mode:o}")
 
 
@@ -162,33 +191,66 @@ def check_proc(ctx: Context) -> list[CheckResult]:
     facts = ctx.plan.facts
     g = Group.ENVIRONMENT
     if facts.errors:
-        return _r("proc-readable", g, Status.FAIL, f"/proc cannot be read: {facts.errors[0]}",
-                  "run kvctl where /proc is mounted (host PID namespace, or hostPID: true in Kubernetes)")
+        return _r(
+            "proc-readable",
+            g,
+            Status.FAIL,
+            f"/proc cannot be read: {facts.errors[0]}",
+            "run kvctl where /proc is mounted (host PID namespace, or hostPID: true in Kubernetes)",
+        )
     if facts.hidepid:
-        return _r("proc-readable", g, Status.WARN, "/proc is mounted with hidepid: other users' processes are invisible, their state stays unknown",
-                  "run kvctl as root or as a member of the /proc gid= group")
+        return _r(
+            "proc-readable",
+            g,
+            Status.WARN,
+            "/proc is mounted with hidepid: other users' processes are invisible, their state stays unknown",
+            "run kvctl as root or as a member of the /proc gid= group",
+        )
     incomplete = ctx.view.incomplete
     if incomplete:
-        return _r("proc-readable", g, Status.WARN,
-                  f"{len(incomplete)} engine-like process(es) could not be fully read (e.g. PID {incomplete[0]}): state they could own stays unknown",
-                  f"run kvctl as root (sudo {ctx.kvctl} doctor)", pids=incomplete)
+        return _r(
+            "proc-readable",
+            g,
+            Status.WARN,
+            f"{len(incomplete)} engine-like process(es) could not be fully read (e.g. PID {incomplete[0]}): "
+            "state they could own stays unknown",
+            f"run kvctl as root (sudo {ctx.kvctl} doctor)",
+            pids=incomplete,
+        )
     return _r("proc-readable", g, Status.OK, f"/proc readable ({len(facts.processes)} processes)")
 
 
 def check_privileges(ctx: Context) -> list[CheckResult]:
     uid = ctx.policy.effective_uid
     if uid == 0:
-        return _r("privileges", Group.ENVIRONMENT, Status.OK, "running as root: every user's state can be judged and cleaned", uid=uid)
-    others = sorted({e.candidate.uid for e in ctx.view.unowned + [x for d in ctx.view.deployments for x in d.entries]
-                     if e.candidate.uid != uid})
+        return _r(
+            "privileges",
+            Group.ENVIRONMENT,
+            Status.OK,
+            "running as root: every user's state can be judged and cleaned",
+            uid=uid,
+        )
+    others = sorted(
+        {
+            e.candidate.uid
+            for e in ctx.view.unowned + [x for d in ctx.view.deployments for x in d.entries]
+            if e.candidate.uid != uid
+        }
+    )
     if others:
-        return _r("privileges", Group.ENVIRONMENT, Status.WARN,
-                  f"running as uid {uid}: entries of uid {', '.join(map(str, others))} are reported but never removed",
-                  f"run as root to clean them: sudo {ctx.kvctl} gc", uid=uid)
+        return _r(
+            "privileges",
+            Group.ENVIRONMENT,
+            Status.WARN,
+            f"running as uid {uid}: entries of uid {', '.join(map(str, others))} are reported but never removed",
+            f"run as root to clean them: sudo {ctx.kvctl} gc",
+            uid=uid,
+        )
     return _r("privileges", Group.ENVIRONMENT, Status.OK, f"running as uid {uid}; all entries found are ours", uid=uid)
 
 
 # configuration --------------------------------------------------------------
+
 
 def _longest_socket(layout: Layout, name: str) -> str:
     # Two-digit stages and ranks bound every shape we expect (PP, TP ≤ 99).
@@ -202,8 +264,15 @@ def check_ipc_name(ctx: Context) -> list[CheckResult]:
         return _r("ipc-name", g, Status.OK, f"{naming.ENV_NAME} unset: deployments use kvcached_<Tag>_<PGID>")
     clean = naming.sanitize(raw)
     if clean != raw:
-        return _r("ipc-name", g, Status.WARN, f"{naming.ENV_NAME}={raw!r} is used as {clean!r}: tools given the raw name will not find it",
-                  f"export {naming.ENV_NAME}={clean}", raw=raw, name=clean)
+        return _r(
+            "ipc-name",
+            g,
+            Status.WARN,
+            f"{naming.ENV_NAME}={raw!r} is used as {clean!r}: tools given the raw name will not find it",
+            f"export {naming.ENV_NAME}={clean}",
+            raw=raw,
+            name=clean,
+        )
     return _r("ipc-name", g, Status.OK, f"{naming.ENV_NAME}={clean}", name=clean)
 
 
@@ -221,57 +290,101 @@ def check_socket_paths(ctx: Context) -> list[CheckResult]:
         if n >= SUN_PATH_MAX:
             too_long.append(name)
     if too_long:
-        return _r("socket-paths", g, Status.FAIL,
-                  f"socket paths of {', '.join(too_long)} exceed {SUN_PATH_MAX - 1} bytes: workers cannot bind",
-                  f"use a shorter {naming.ENV_NAME}", names=too_long)
+        return _r(
+            "socket-paths",
+            g,
+            Status.FAIL,
+            f"socket paths of {', '.join(too_long)} exceed {SUN_PATH_MAX - 1} bytes: workers cannot bind",
+            f"use a shorter {naming.ENV_NAME}",
+            names=too_long,
+        )
     return _r("socket-paths", g, Status.OK, f"socket paths fit in {SUN_PATH_MAX - 1} bytes (longest {longest[1]})")
 
 
-_EXT_PROBE = ("import importlib.util, sys\n"
-              "if importlib.util.find_spec('kvcached._kvpages') is None:\n"
-              "    print('missing'); sys.exit(3)\n"
-              "import kvcached._kvpages\n")
+_EXT_PROBE = (
+    "import importlib.util, sys\n"
+    "if importlib.util.find_spec('kvcached.runtime._kvpages') is None:\n"
+    "    print('missing'); sys.exit(3)\n"
+    "import kvcached.runtime._kvpages\n"
+)
 
 
 def check_extension(ctx: Context) -> list[CheckResult]:
     g = Group.CONFIGURATION
     try:
-        r = subprocess.run([ctx.python, "-c", _EXT_PROBE], capture_output=True, text=True, timeout=ctx.timeout,
-                           env={**ctx.environ, "PYTHONDONTWRITEBYTECODE": "1"}, stdin=subprocess.DEVNULL)
+        r = subprocess.run(
+            [ctx.python, "-c", _EXT_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=ctx.timeout,
+            env={**ctx.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+            stdin=subprocess.DEVNULL,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return _r("extension", g, Status.FAIL, f"could not run {ctx.python}: {e}")
     if r.returncode == 0:
-        return _r("extension", g, Status.OK, "compiled extension kvcached._kvpages loads")
+        return _r("extension", g, Status.OK, "compiled extension kvcached.runtime._kvpages loads")
     if r.returncode == 3:
-        return _r("extension", g, Status.WARN, "compiled extension kvcached._kvpages is not built: engines cannot use this install",
-                  "build it: pip install -e . (needs a C++ compiler)")
+        return _r(
+            "extension",
+            g,
+            Status.WARN,
+            "compiled extension kvcached.runtime._kvpages is not built: engines cannot use this install",
+            "build it: pip install -e . (needs a C++ compiler)",
+        )
     last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-    return _r("extension", g, Status.FAIL, f"kvcached._kvpages does not load: {last}",
-              "rebuild it: pip install --force-reinstall --no-deps -e .", stderr=r.stderr[-2000:])
+    return _r(
+        "extension",
+        g,
+        Status.FAIL,
+        f"kvcached.runtime._kvpages does not load: {last}",
+        "rebuild it: pip install --force-reinstall --no-deps -e .",
+        stderr=r.stderr[-2000:],
+    )
 
 
 # node state -----------------------------------------------------------------
 
+
 def check_stale(ctx: Context) -> list[CheckResult]:
     g = Group.NODE
-    entries = [e for d in ctx.view.deployments for e in d.entries] + ctx.view.unowned
-    stale = [e for e in entries if e.state is State.STALE]
-    unknown = [e for e in entries if e.state is State.UNKNOWN]
-    foreign = [e for e in entries if e.state is State.FOREIGN]
+    found = [e for d in ctx.view.deployments for e in d.entries] + ctx.view.unowned
+    stale = [e for e in found if e.state is State.STALE]
+    unknown = [e for e in found if e.state is State.UNKNOWN]
+    foreign = [e for e in found if e.state is State.FOREIGN]
     out: list[CheckResult] = []
     if stale:
         deps = sorted({e.candidate.deployment or "?" for e in stale})
-        out += _r("stale", g, Status.WARN, f"{len(stale)} stale entr{'y' if len(stale) == 1 else 'ies'} of {len(deps)} dead deployment(s): {', '.join(deps)}",
-                  f"{ctx.kvctl} gc --yes", paths=[e.path for e in stale])
+        out += _r(
+            "stale",
+            g,
+            Status.WARN,
+            f"{entries(len(stale), 'stale')} of {len(deps)} dead deployment(s): {', '.join(deps)}",
+            f"{ctx.kvctl} gc --yes",
+            paths=[e.path for e in stale],
+        )
     else:
-        out += _r("stale", g, Status.OK, f"no stale entries ({len(entries)} found)")
+        out += _r("stale", g, Status.OK, f"no stale entries ({len(found)} found)")
     if unknown:
         reasons = sorted({str(e.decision.reason) for e in unknown})
-        out += _r("unknown", g, Status.WARN, f"{len(unknown)} entr{'y' if len(unknown) == 1 else 'ies'} of unknown liveness ({', '.join(reasons)}): kept",
-                  f"see why, as root for complete evidence: sudo {ctx.kvctl} inspect", paths=[e.path for e in unknown])
+        out += _r(
+            "unknown",
+            g,
+            Status.WARN,
+            f"{entries(len(unknown))} of unknown liveness ({', '.join(reasons)}): kept",
+            f"see why, as root for complete evidence: sudo {ctx.kvctl} inspect",
+            paths=[e.path for e in unknown],
+        )
     if foreign:
-        out += _r("foreign", g, Status.WARN, f"{len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} not ours ({', '.join(sorted({str(e.decision.reason) for e in foreign}))}): never touched",
-                  f"see why: {ctx.kvctl} inspect", paths=[e.path for e in foreign])
+        out += _r(
+            "foreign",
+            g,
+            Status.WARN,
+            f"{entries(len(foreign))} not ours ({', '.join(sorted({str(e.decision.reason) for e in foreign}))}): "
+            "never touched",
+            f"see why: {ctx.kvctl} inspect",
+            paths=[e.path for e in foreign],
+        )
     return out
 
 
@@ -280,8 +393,14 @@ def check_orphans(ctx: Context) -> list[CheckResult]:
     if not orphans:
         return _r("orphans", Group.NODE, Status.OK, "no orphaned kvcached processes")
     desc = ", ".join(f"PID {p.pid} ({d.name} {p.role.role})" for d, p in orphans[:5])
-    return _r("orphans", Group.NODE, Status.WARN, f"{len(orphans)} orphaned process(es): {desc}",
-              f"{ctx.kvctl} gc --kill-orphans", pids=[p.pid for _, p in orphans])
+    return _r(
+        "orphans",
+        Group.NODE,
+        Status.WARN,
+        f"{len(orphans)} orphaned process(es): {desc}",
+        f"{ctx.kvctl} gc --kill-orphans",
+        pids=[p.pid for _, p in orphans],
+    )
 
 
 def check_namespaces(ctx: Context) -> list[CheckResult]:
@@ -289,17 +408,25 @@ def check_namespaces(ctx: Context) -> list[CheckResult]:
     if not ns:
         return _r("namespaces", Group.NODE, Status.OK, "no kvcached processes in other mount namespaces")
     first = ns[0]
-    return _r("namespaces", Group.NODE, Status.WARN,
-              f"{len(ns)} other mount namespace(s) run kvcached-like processes with their own /tmp or /dev/shm (e.g. PID {first.hint_pid})",
-              f"{ctx.kvctl} inspect --pid {first.hint_pid}", namespaces=[n.to_dict() for n in ns])
+    return _r(
+        "namespaces",
+        Group.NODE,
+        Status.WARN,
+        f"{len(ns)} other mount namespace(s) run kvcached-like processes with their own /tmp or /dev/shm "
+        f"(e.g. PID {first.hint_pid})",
+        f"{ctx.kvctl} inspect --pid {first.hint_pid}",
+        namespaces=[n.to_dict() for n in ns],
+    )
 
 
 # serving engine ---------------------------------------------------------------
 
 _DETECT_MARK = "KVCTL-DETECT "
-_DETECT_PROBE = ("import json\n"
-                 "from kvcached.integration.vllm_patches import detect\n"
-                 f"print({_DETECT_MARK!r} + json.dumps(detect().to_dict(), default=str), flush=True)\n")
+_DETECT_PROBE = (
+    "import json\n"
+    "from kvcached.integration.vllm_patches import detect\n"
+    f"print({_DETECT_MARK!r} + json.dumps(detect().to_dict(), default=str), flush=True)\n"
+)
 
 
 def _items(value: Any) -> list[tuple[str, Any]]:
@@ -325,8 +452,11 @@ def _flag(value: Any, keys: tuple[str, ...]) -> tuple[bool | None, str]:
 def _has_integration() -> bool:
     # find_spec of the submodule would execute kvcached.integration/__init__ here: look at the files instead.
     spec = importlib.util.find_spec("kvcached.integration")
-    return bool(spec and spec.submodule_search_locations and any(
-        os.path.exists(os.path.join(d, "vllm_patches.py")) for d in spec.submodule_search_locations))
+    return bool(
+        spec
+        and spec.submodule_search_locations
+        and any(os.path.exists(os.path.join(d, "vllm_patches.py")) for d in spec.submodule_search_locations)
+    )
 
 
 def check_vllm(ctx: Context) -> list[CheckResult]:
@@ -336,22 +466,32 @@ def check_vllm(ctx: Context) -> list[CheckResult]:
     if not _has_integration():
         return _r("vllm", g, Status.SKIP, "vLLM is installed, but this kvcached has no vLLM integration to inspect it")
     try:
-        r = subprocess.run([ctx.python, "-c", _DETECT_PROBE], capture_output=True, text=True, timeout=ctx.timeout,
-                           env={**ctx.environ, "PYTHONDONTWRITEBYTECODE": "1"}, stdin=subprocess.DEVNULL)
+        r = subprocess.run(
+            [ctx.python, "-c", _DETECT_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=ctx.timeout,
+            env={**ctx.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+            stdin=subprocess.DEVNULL,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return _r("vllm", g, Status.WARN, f"could not inspect the installed vLLM: {e}")
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith(_DETECT_MARK)), None)
     if r.returncode != 0 or line is None:
         last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
         return _r("vllm", g, Status.WARN, f"could not inspect the installed vLLM: {last}")
-    data = json.loads(line[len(_DETECT_MARK):])
-    return vllm_results(data) + ray_results(bool(data.get("ray_installed")), ray_serves(ctx.view.facts.processes.values()))
+    data = json.loads(line[len(_DETECT_MARK) :])
+    return vllm_results(data) + ray_results(
+        bool(data.get("ray_installed")), ray_serves(ctx.view.facts.processes.values())
+    )
 
 
 # What kvcached does not cover under Ray (docs/VLLM.md, "Shapes").
-RAY_NOT_COVERED = ("Ray-backed serves (--distributed-executor-backend ray, --data-parallel-backend ray) are not "
-                   "covered: their workers and engines are Ray actors outside the serve's process group, so no "
-                   "worker socket is served, no segment is claimed and no owner cleans up after them")
+RAY_NOT_COVERED = (
+    "Ray-backed serves (--distributed-executor-backend ray, --data-parallel-backend ray) are not "
+    "covered: their workers and engines are Ray actors outside the serve's process group, so no "
+    "worker socket is served, no segment is claimed and no owner cleans up after them"
+)
 _RAY_ACTORS = ("RayWorkerProc", "EngineCoreActor", "DPMoEEngineCoreActor")
 
 
@@ -378,9 +518,15 @@ def ray_results(installed: bool, pids: list[int]) -> list[CheckResult]:
     """Doctor lines about Ray: a warning naming the Ray-backed vLLM processes running here, else a note if installed."""
     g = Group.ENGINE
     if pids:
-        return _r("vllm-ray", g, Status.WARN, f"Ray-backed vLLM process(es) here (PID {', '.join(map(str, pids[:8]))}): "
-                  + RAY_NOT_COVERED, "serve with the default multiprocessing backends to have kvcached cover them; "
-                  "meanwhile clean up by hand: kvctl gc --yes", pids=pids)
+        return _r(
+            "vllm-ray",
+            g,
+            Status.WARN,
+            f"Ray-backed vLLM process(es) here (PID {', '.join(map(str, pids[:8]))}): " + RAY_NOT_COVERED,
+            "serve with the default multiprocessing backends to have kvcached cover them; "
+            "meanwhile clean up by hand: kvctl gc --yes",
+            pids=pids,
+        )
     if installed:
         return _r("vllm-ray", g, Status.SKIP, "Ray is installed; none of its vLLM serves runs here. " + RAY_NOT_COVERED)
     return []
@@ -397,29 +543,61 @@ def vllm_results(data: Mapping[str, Any]) -> list[CheckResult]:
     if excluded:
         current = str(data.get("vllm_plugins") or "")
         names = [n for n in current.split(",") if n]
-        enable = (f"export VLLM_PLUGINS={','.join(names + ['kvcached'])} (or unset VLLM_PLUGINS): vLLM loads only "
-                  f"the plugins it lists")
-    state = ("enabled, but inactive: VLLM_PLUGINS excludes it" if enabled and excluded else
-             "enabled" if enabled else "not enabled in this environment")
-    out = _r("vllm", g, Status.OK if enabled and not excluded else Status.WARN,
-             f"vLLM {data.get('vllm_version') or '?'} installed; kvcached integration {state}",
-             None if enabled and not excluded else enable, detect=dict(data))
+        enable = (
+            f"export VLLM_PLUGINS={','.join(names + ['kvcached'])} (or unset VLLM_PLUGINS): vLLM loads only "
+            f"the plugins it lists"
+        )
+    state = (
+        "enabled, but inactive: VLLM_PLUGINS excludes it"
+        if enabled and excluded
+        else "enabled"
+        if enabled
+        else "not enabled in this environment"
+    )
+    out = _r(
+        "vllm",
+        g,
+        Status.OK if enabled and not excluded else Status.WARN,
+        f"vLLM {data.get('vllm_version') or '?'} installed; kvcached integration {state}",
+        None if enabled and not excluded else enable,
+        detect=dict(data),
+    )
     if excluded:
-        out += _r("vllm-plugins", g, Status.WARN, f"VLLM_PLUGINS={data.get('vllm_plugins')!r} does not list kvcached: "
-                  "vLLM never loads kvcached's plugin, so its patches are inactive", enable)
+        out += _r(
+            "vllm-plugins",
+            g,
+            Status.WARN,
+            f"VLLM_PLUGINS={data.get('vllm_plugins')!r} does not list kvcached: "
+            "vLLM never loads kvcached's plugin, so its patches are inactive",
+            enable,
+        )
     active = []
     for name, value in _items(data.get("patches")):
         on, detail = _flag(value, ("active", "applied", "enabled", "ok"))
         applicable = value.get("applicable", True) if isinstance(value, Mapping) else True
         if on:
             active.append(name)
-            out += _r(f"vllm-patch:{name}", g, Status.OK, f"kvcached patch {name}: active" + (f" ({detail})" if detail else ""))
+            out += _r(
+                f"vllm-patch:{name}",
+                g,
+                Status.OK,
+                f"kvcached patch {name}: active" + (f" ({detail})" if detail else ""),
+            )
         elif not applicable:
-            out += _r(f"vllm-patch:{name}", g, Status.SKIP, f"kvcached patch {name}: not applicable to this vLLM"
-                      + (f" ({detail})" if detail else ""))
+            out += _r(
+                f"vllm-patch:{name}",
+                g,
+                Status.SKIP,
+                f"kvcached patch {name}: not applicable to this vLLM" + (f" ({detail})" if detail else ""),
+            )
         else:
-            out += _r(f"vllm-patch:{name}", g, Status.WARN, f"kvcached patch {name}: inactive" + (f" ({detail})" if detail else ""),
-                      enable)
+            out += _r(
+                f"vllm-patch:{name}",
+                g,
+                Status.WARN,
+                f"kvcached patch {name}: inactive" + (f" ({detail})" if detail else ""),
+                enable,
+            )
     for name, value in _items(data.get("conditions")):
         present, detail = _flag(value, ("present", "detected", "affected"))
         text = f"vLLM {name}: " + {True: "present", False: "absent", None: "could not tell"}[present]
@@ -429,8 +607,13 @@ def vllm_results(data: Mapping[str, Any]) -> list[CheckResult]:
         elif present and active:
             out += _r(f"vllm:{name}", g, Status.OK, text + "; kvcached's patches work around it")
         else:
-            out += _r(f"vllm:{name}", g, Status.WARN, text + ("; no kvcached patch is active" if present else ""),
-                      enable + "; meanwhile: kvctl gc --yes")
+            out += _r(
+                f"vllm:{name}",
+                g,
+                Status.WARN,
+                text + ("; no kvcached patch is active" if present else ""),
+                enable + "; meanwhile: kvctl gc --yes",
+            )
     return out
 
 

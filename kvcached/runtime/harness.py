@@ -9,7 +9,7 @@ Three tiers in one new process group, shaped like a vLLM serve:
 `stop_like_vllm()` stops it the way vLLM 0.33 does: SIGTERM to the process
 group, then SIGKILL to the engine tree almost at once.
 
-Run one by hand: `python -m kvcached.harness --name demo --tp 2 --pp 2`.
+Run one by hand: `python -m kvcached.runtime.harness --name demo --tp 2 --pp 2`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import psutil  # imported up front: a lazy import inside a signal handler can be interrupted
 
-from .layout import Layout
+from ..node.layout import Layout
 
 READY = "KVCACHED-READY "
 DEFAULT_LIMIT = 1 << 30
@@ -93,7 +94,7 @@ class Deployment:
         while time.monotonic() < deadline and any(_alive(p) for p in self.pids):
             time.sleep(0.01)
 
-    def __enter__(self) -> "Deployment":
+    def __enter__(self) -> Deployment:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -113,7 +114,7 @@ def _alive(pid: int) -> bool:
 
 
 def _base_cmd(role: str, name: str, layout: Layout, tp: int, pp: int) -> list[str]:
-    return [sys.executable, "-m", "kvcached.harness", "--role", role, "--name", name,
+    return [sys.executable, "-m", "kvcached.runtime.harness", "--role", role, "--name", name,
             "--root", layout.root, "--tp", str(tp), "--pp", str(pp)]
 
 
@@ -186,7 +187,7 @@ def _run_worker(args: argparse.Namespace, layout: Layout) -> int:
     listener = WorkerListener(layout, args.name, args.rank, args.stage)
     if args.pool:
         try:
-            from .runtime.pool import attach_worker  # type: ignore[attr-defined]
+            from .pool import attach_worker
             attach_worker(listener, layout, args.name)
         except ImportError:
             pass
@@ -208,7 +209,7 @@ def _run_worker(args: argparse.Namespace, layout: Layout) -> int:
 
 
 def _run_engine(args: argparse.Namespace, layout: Layout) -> int:
-    from .startup import claim_segment
+    from ..node.startup import claim_segment
 
     lease, _, how = claim_segment(layout, args.name, args.limit)
     workers: list[tuple[int, int, subprocess.Popen]] = []
@@ -233,13 +234,15 @@ def _run_engine(args: argparse.Namespace, layout: Layout) -> int:
     signal.signal(signal.SIGTERM, on_term)
     for stage in range(args.pp):
         for rank in range(args.tp):
-            cmd = _base_cmd("worker", args.name, layout, args.tp, args.pp) + ["--rank", str(rank), "--stage", str(stage)]
+            cmd = _base_cmd("worker", args.name, layout, args.tp, args.pp)
+            cmd += ["--rank", str(rank), "--stage", str(stage)]
             if args.pool:
                 cmd.append("--pool")
             workers.append((stage, rank, subprocess.Popen(cmd, stdin=subprocess.DEVNULL)))
     try:
-        _wait_listening([layout.socket_path(args.name, r, s) for s, r, _ in workers],
-                        [p for _, _, p in workers], timeout=30)
+        _wait_listening(
+            [layout.socket_path(args.name, r, s) for s, r, _ in workers], [p for _, _, p in workers], timeout=30
+        )
     except Exception as e:
         print(f"harness engine: {e}", file=sys.stderr)
         for _, _, p in workers:
@@ -247,26 +250,30 @@ def _run_engine(args: argparse.Namespace, layout: Layout) -> int:
         return 1
     if args.pool:
         try:
-            from .runtime.pool import start_engine_pool
+            from .pool import start_engine_pool
         except ImportError:  # the extension is not built: the deployment runs without a pool
             pass
         else:
             # Bound for the engine's life (this frame never returns): the pool's
             # thread follows `kvctl limit` and keeps used/prealloc current.
             pool = start_engine_pool(layout, args.name, args.tp, args.pp)  # noqa: F841
-    print(READY + json.dumps({"workers": [{"stage": s, "rank": r, "pid": p.pid} for s, r, p in workers]}),
-          flush=True)
+    print(READY + json.dumps({"workers": [{"stage": s, "rank": r, "pid": p.pid} for s, r, p in workers]}), flush=True)
 
     while True:
         signal.pause()
 
 
 def _run_api(args: argparse.Namespace, layout: Layout) -> int:
-    from .owner import SegmentCleanup, WorkerSocketCleanup
+    from ..node.owner import SegmentCleanup, WorkerSocketCleanup
 
-    engine = subprocess.Popen(_base_cmd("engine", args.name, layout, args.tp, args.pp)
-                              + ["--limit", str(args.limit)] + (["--pool"] if args.pool else []),
-                              stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    engine = subprocess.Popen(
+        _base_cmd("engine", args.name, layout, args.tp, args.pp)
+        + ["--limit", str(args.limit)]
+        + (["--pool"] if args.pool else []),
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
 
     def on_term(signum: int, _frame: object) -> None:
         # vLLM 0.33 with --shutdown-timeout 0: SIGTERM the engine, then kill its tree
@@ -326,7 +333,9 @@ def _run_demo(args: argparse.Namespace, layout: Layout) -> int:
 
     dep = start_deployment(args.name, args.tp, args.pp, layout=layout, limit=args.limit, pool=True)
     try:
-        answers = {f"pp{s}/w{r}": ping(layout.socket_path(args.name, r, s))["pid"] for (s, r) in sorted(dep.worker_pids)}
+        answers = {
+            f"pp{s}/w{r}": ping(layout.socket_path(args.name, r, s))["pid"] for (s, r) in sorted(dep.worker_pids)
+        }
         _event("ready", name=args.name, pgid=dep.pgid, api=dep.api_pid, engine=dep.engine_pid, answers=answers)
         dep.stop_like_vllm()
     finally:
@@ -336,11 +345,18 @@ def _run_demo(args: argparse.Namespace, layout: Layout) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvcached.harness", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--role", choices=("launcher", "demo", "api", "engine", "worker"), default="launcher",
-                    help="launcher: start a deployment, print it, leave it running; demo: start one, then stop it "
-                         "like vLLM 0.33, printing one JSON line per step (what `kvctl demo` reads)")
+    ap = argparse.ArgumentParser(
+        prog="python -m kvcached.runtime.harness",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--role",
+        choices=("launcher", "demo", "api", "engine", "worker"),
+        default="launcher",
+        help="launcher: start a deployment, print it, leave it running; demo: start one, then stop it "
+        "like vLLM 0.33, printing one JSON line per step (what `kvctl demo` reads)",
+    )
     ap.add_argument("--name", required=True, help="IPC name of the deployment")
     ap.add_argument("--root", default="/", help="re-base /tmp and /dev/shm under this directory")
     ap.add_argument("--tp", type=int, default=1)
@@ -353,10 +369,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     layout = Layout(args.root)
     if args.role == "launcher":
-        dep = start_deployment(args.name, args.tp, args.pp, layout=layout, limit=args.limit,
-                               owner_cleanup=args.owner_cleanup, pool=args.pool)
-        print(json.dumps({"name": dep.name, "pgid": dep.pgid, "api": dep.api_pid, "engine": dep.engine_pid,
-                          "workers": {f"pp{s}/w{r}": p for (s, r), p in dep.worker_pids.items()}}))
+        dep = start_deployment(
+            args.name,
+            args.tp,
+            args.pp,
+            layout=layout,
+            limit=args.limit,
+            owner_cleanup=args.owner_cleanup,
+            pool=args.pool,
+        )
+        print(
+            json.dumps(
+                {
+                    "name": dep.name,
+                    "pgid": dep.pgid,
+                    "api": dep.api_pid,
+                    "engine": dep.engine_pid,
+                    "workers": {f"pp{s}/w{r}": p for (s, r), p in dep.worker_pids.items()},
+                }
+            )
+        )
         return 0
     if args.role == "demo":
         return _run_demo(args, layout)

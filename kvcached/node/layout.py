@@ -48,7 +48,7 @@ class Layout:
     seen_root: str | None = None
 
     @classmethod
-    def for_pid(cls, pid: int, proc_root: str = "/proc") -> "Layout":
+    def for_pid(cls, pid: int, proc_root: str = "/proc") -> Layout:
         """The node as process `pid` sees it (its mount namespace), reached from here."""
         return cls(root=f"{proc_root}/{pid}/root", seen_root="/")
 
@@ -89,7 +89,9 @@ class Layout:
         """Raise PathTooLong when `path` (as processes see it) cannot be bound."""
         seen = self.seen_path(path)
         if len(os.fsencode(seen)) >= SUN_PATH_MAX:
-            raise PathTooLong(f"{seen}: socket path is {len(os.fsencode(seen))} bytes, over the {SUN_PATH_MAX - 1}-byte limit")
+            raise PathTooLong(
+                f"{seen}: socket path is {len(os.fsencode(seen))} bytes, over the {SUN_PATH_MAX - 1}-byte limit"
+            )
 
     def seen_path(self, path: str) -> str:
         """The path as the node's processes name it (what /proc/net/unix lists)."""

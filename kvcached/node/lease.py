@@ -28,7 +28,7 @@ F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 _FLOCK_FMT = "@hhqqi4x"  # struct flock on LP64 Linux: type, whence, start, len, pid
 
 
-class _ForkSafe:
+class ForkSafe:
     """Objects whose fd must not outlive them in a forked child.
 
     flock and OFD locks belong to the open file description, which fork()
@@ -38,12 +38,12 @@ class _ForkSafe:
     its copy at once.
     """
 
-    _instances: "weakref.WeakSet[_ForkSafe]" = weakref.WeakSet()
+    _instances: weakref.WeakSet[ForkSafe] = weakref.WeakSet()
     _fd: int | None = None
     _lock: threading.Lock
 
     def _track(self) -> None:
-        _ForkSafe._instances.add(self)
+        ForkSafe._instances.add(self)
 
     def _after_fork_in_child(self) -> None:
         if self._fd is not None:
@@ -54,7 +54,7 @@ class _ForkSafe:
 
 
 def _drop_inherited_fds() -> None:
-    for obj in list(_ForkSafe._instances):
+    for obj in list(ForkSafe._instances):
         obj._after_fork_in_child()
 
 
@@ -96,7 +96,7 @@ def segment_lease_held(path: str) -> bool | None:
         os.close(fd)
 
 
-class SegmentLease(_ForkSafe):
+class SegmentLease(ForkSafe):
     """Hold the segment's lease for the life of this object (the owning engine)."""
 
     def __init__(self, path: str) -> None:
@@ -129,7 +129,7 @@ class SegmentLease(_ForkSafe):
                 os.close(self._fd)  # closing the last fd of the description drops the OFD lock
                 self._fd = None
 
-    def __enter__(self) -> "SegmentLease":
+    def __enter__(self) -> SegmentLease:
         self.acquire()
         return self
 
@@ -137,7 +137,7 @@ class SegmentLease(_ForkSafe):
         self.release()
 
 
-class DirLease(_ForkSafe):
+class DirLease(ForkSafe):
     """Hold `flock(LOCK_SH)` on a socket directory (opened without following links)."""
 
     def __init__(self, path: str) -> None:
