@@ -1,11 +1,12 @@
 # Two commands on a bare machine (Python ≥ 3.10 with venv and a C++ compiler):
 #   make demo   install kvcached + kvctl into .venv and run `kvctl demo`
 #   make test   install the test dependencies (vLLM 0.33 without a GPU included) and run the suite
+# and for developers: make lint (ruff + mypy), make bench, make completions.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: demo test bench completions clean
+.PHONY: demo test lint bench completions clean
 
 # What `make demo` needs: kvcached + kvctl (and the extension they build), nothing else.
 $(VENV)/.base: pyproject.toml setup.py
@@ -27,6 +28,15 @@ demo: $(VENV)/.base
 
 test: $(VENV)/.vllm
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+$(VENV)/.lint: $(VENV)/.test
+	$(PIP) install -q -e '.[lint]'
+	touch $@
+
+# The lint and type gate (CI runs it after the tests): ruff, then mypy, as configured in pyproject.toml.
+lint: $(VENV)/.lint
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench: $(VENV)/.vllm
 	$(PY) bench/run_all.py
