@@ -3,7 +3,11 @@
 
 Completion scripts and cron re-run kvctl all the time; DESIGN.md §2 keeps its
 start-up light. Target: median < 100 ms (issue 11), and at most a tenth of importing torch.
-Runs are interleaved (kvctl, torch, kvctl, ...) so that machine load hits both alike.
+Runs are interleaved (kvctl, torch, python, typer, kvctl, ...) so that machine load hits all alike.
+
+Two floors are measured in the same run, so the reader sees what is kvctl's own:
+the interpreter (`python -c pass`, site and the venv's .pth files included) and the
+CLI framework (`python -c "import typer"`). kvctl's share is its median minus typer's.
 
     python bench/bench_cli_start.py [--runs 21] [--json] [--torch-python PY]
 
@@ -64,16 +68,23 @@ def main() -> int:
             os.makedirs(os.path.join(root, sub))
         kv_cmd = [kvctl, "--root", root, "gc", "--dry-run"]
         torch_cmd = [args.torch_python, "-c", "import torch"]
+        floor_cmds = {"python": [sys.executable, "-c", "pass"], "typer": [sys.executable, "-c", "import typer"]}
         timed(kv_cmd, env)  # warm the page cache and bytecode: we measure start-up, not the first compile
         if has_torch:
             timed(torch_cmd, env)
         kv, torch = [], []
+        floors: dict[str, list[float]] = {k: [] for k in floor_cmds}
         for _ in range(args.runs):
             kv.append(timed(kv_cmd, env))
             if has_torch:
                 torch.append(timed(torch_cmd, env))
+            for k, cmd in floor_cmds.items():
+                floors[k].append(timed(cmd, env))
     result: dict[str, object] = {"kvctl_gc_dry_run": summary(kv), "target_median_ms": TARGET_MS,
                                  "bytecode_cached": True,
+                                 "floor_python": summary(floors["python"]),
+                                 "floor_import_typer": summary(floors["typer"]),
+                                 "kvctl_own_ms": round(statistics.median(kv) - statistics.median(floors["typer"]), 1),
                                  "meets_target": statistics.median(kv) < TARGET_MS,
                                  "cpus": os.cpu_count(), "load_avg": os.getloadavg()}
     if has_torch:
@@ -90,6 +101,9 @@ def main() -> int:
     print(f"kvctl gc --dry-run (empty root): median {k['median_ms']} ms  min {k['min_ms']}  p90 {k['p90_ms']}  "
           f"max {k['max_ms']}  ({k['runs']} runs; target < {TARGET_MS:.0f} ms: "
           f"{'met' if result['meets_target'] else 'NOT met'})")
+    py, ty = result["floor_python"], result["floor_import_typer"]
+    print(f"floors: python -c pass median {py['median_ms']} ms; python -c 'import typer' median {ty['median_ms']} ms; "
+          f"kvctl's own share (kvctl - typer): {result['kvctl_own_ms']} ms")
     if has_torch:
         t = result["import_torch"]
         print(
