@@ -28,12 +28,20 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.option.basetemp is None and not hasattr(config, "workerinput"):
         config.option.basetemp = tempfile.mkdtemp(prefix="kvtest-", dir="/tmp")
         config._kvcached_basetemp = config.option.basetemp  # type: ignore[attr-defined]
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        # vLLM's engines and clients bind ZMQ sockets at <this>/<uuid4> (default: /tmp) and
+        # leave them behind when a test kills them, as a crash would: keep them in the session's
+        # own directory. Set here, before any test imports vLLM, so every child inherits it.
+        rpc = tempfile.mkdtemp(prefix="kvtest-rpc-", dir="/tmp")
+        os.environ["VLLM_RPC_BASE_PATH"] = rpc
+        config._kvcached_rpc = rpc  # type: ignore[attr-defined]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    base = getattr(config, "_kvcached_basetemp", None)
-    if base:
-        shutil.rmtree(base, ignore_errors=True)
+    for attr in ("_kvcached_basetemp", "_kvcached_rpc"):
+        base = getattr(config, attr, None)
+        if base:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture

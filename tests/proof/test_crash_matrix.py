@@ -8,8 +8,8 @@ grace, which would keep all of it as `young`) and record what it removed and wha
 checks that nothing live was removed and that every live listener still
 answers a ping; a second gc finds nothing more to remove.
 
-The table is printed at the end of the module and written to
-$KVCACHED_CRASH_TABLE (default: /tmp/kvcached-crash-matrix-<pid>.md).
+The table is printed at the end of the module, and written to the file
+$KVCACHED_CRASH_TABLE names when it is set (nothing is written otherwise).
 The default run covers 1×1 and 2×2; `-m slow` adds 2×1 and 4×2.
 """
 
