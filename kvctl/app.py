@@ -331,6 +331,9 @@ def _interactive() -> bool:
     return sys.stdin.isatty() and sys.stdout.isatty()
 
 
+OneName = Annotated[
+    str, typer.Argument(metavar="NAME", autocompletion=complete_names, help="IPC name of the deployment.")
+]
 NamesArg = Annotated[
     Optional[list[str]],
     typer.Argument(metavar="NAME", autocompletion=complete_names, help="IPC names or globs (default: all)."),
@@ -416,9 +419,7 @@ def _set_limit(name: str, total: int, json_out: bool, how: str) -> int:
 
 @command(context_settings=NEGATIVE_OK)
 def limit(
-    name: Annotated[
-        str, typer.Argument(metavar="NAME", autocompletion=complete_names, help="IPC name of the deployment.")
-    ],
+    name: OneName,
     size: Annotated[
         int,
         typer.Argument(
@@ -433,9 +434,7 @@ def limit(
 
 @command("limit-percent", context_settings=NEGATIVE_OK)
 def limit_percent(
-    name: Annotated[
-        str, typer.Argument(metavar="NAME", autocompletion=complete_names, help="IPC name of the deployment.")
-    ],
+    name: OneName,
     percent: Annotated[
         float,
         typer.Argument(
@@ -506,9 +505,7 @@ def kvtop_cmd(names: NamesArg = None, interval: Interval1 = 1.0, count: CountOpt
 
 @command()
 def delete(
-    name: Annotated[
-        str, typer.Argument(metavar="NAME", autocompletion=complete_names, help="IPC name of the deployment.")
-    ],
+    name: OneName,
     yes: Annotated[
         bool, typer.Option("--yes", "-y", metavar="", help="Also remove entries of unknown or young state.")
     ] = False,

@@ -309,17 +309,22 @@ _EXT_PROBE = (
 )
 
 
+def _probe(ctx: Context, code: str) -> subprocess.CompletedProcess[str]:
+    """Run `code` in the serve's interpreter and environment, leaving no bytecode beside its install."""
+    return subprocess.run(
+        [ctx.python, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=ctx.timeout,
+        env={**ctx.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        stdin=subprocess.DEVNULL,
+    )
+
+
 def check_extension(ctx: Context) -> list[CheckResult]:
     g = Group.CONFIGURATION
     try:
-        r = subprocess.run(
-            [ctx.python, "-c", _EXT_PROBE],
-            capture_output=True,
-            text=True,
-            timeout=ctx.timeout,
-            env={**ctx.environ, "PYTHONDONTWRITEBYTECODE": "1"},
-            stdin=subprocess.DEVNULL,
-        )
+        r = _probe(ctx, _EXT_PROBE)
     except (OSError, subprocess.TimeoutExpired) as e:
         return _r("extension", g, Status.FAIL, f"could not run {ctx.python}: {e}")
     if r.returncode == 0:
@@ -466,14 +471,7 @@ def check_vllm(ctx: Context) -> list[CheckResult]:
     if not _has_integration():
         return _r("vllm", g, Status.SKIP, "vLLM is installed, but this kvcached has no vLLM integration to inspect it")
     try:
-        r = subprocess.run(
-            [ctx.python, "-c", _DETECT_PROBE],
-            capture_output=True,
-            text=True,
-            timeout=ctx.timeout,
-            env={**ctx.environ, "PYTHONDONTWRITEBYTECODE": "1"},
-            stdin=subprocess.DEVNULL,
-        )
+        r = _probe(ctx, _DETECT_PROBE)
     except (OSError, subprocess.TimeoutExpired) as e:
         return _r("vllm", g, Status.WARN, f"could not inspect the installed vLLM: {e}")
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith(_DETECT_MARK)), None)
