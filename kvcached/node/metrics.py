@@ -94,6 +94,10 @@ def render(report: Report, *, success: bool, orphans: int = 0, last_success: flo
     return "\n".join(lines) + "\n"
 
 
+_KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
+
+
 def check_target(path: str) -> None:
     """Raise MetricsError unless `path` is absent or a regular file we may replace.
 
@@ -107,10 +111,9 @@ def check_target(path: str) -> None:
     except OSError as e:
         raise MetricsError(f"{path}: cannot write metrics ({e.strerror})") from None
     if not stat.S_ISREG(st.st_mode):
-        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) \
-            else "not a regular file"
-        raise MetricsError(f"{path}: refusing to write metrics over {kind}; give a regular file's path "
-                           "(node_exporter reads *.prom files in its textfile directory)")
+        kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+        raise MetricsError(f"{path} is {kind}, not a regular file: metrics are not written over it; give a "
+                           "regular file's path (node_exporter reads *.prom files in its textfile directory)")
 
 
 def write_textfile(path: str, body: str) -> None:

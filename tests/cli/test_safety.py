@@ -52,10 +52,11 @@ def test_prometheus_never_replaces_a_device_or_fifo(layout, uniq) -> None:
     fifo = os.path.join(layout.root, "fifo")
     os.mkfifo(fifo)
     dead_deployment(layout, f"{uniq}d")
-    for target in (dev, fifo, layout.root):
+    for target, kind in ((dev, "a character device"), (fifo, "a FIFO"), (layout.root, "a directory")):
         r = kvctl("--root", layout.root, "gc", "--yes", "--prometheus", target, env=lock_env(layout))
         assert_one_line_error(r, 1)
         assert target in r.stderr and ".tmp" not in r.stderr, r.stderr
+        assert f"is {kind}, not a regular file" in r.stderr, r.stderr
     assert stat.S_ISCHR(os.lstat(dev).st_mode) and stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert leftovers(layout), "a refused run must not have removed anything"
 
