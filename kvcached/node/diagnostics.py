@@ -479,8 +479,8 @@ def check_vllm(ctx: Context) -> list[CheckResult]:
         last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
         return _r("vllm", g, Status.WARN, f"could not inspect the installed vLLM: {last}")
     data = json.loads(line[len(_DETECT_MARK) :])
-    return vllm_results(data) + ray_results(
-        bool(data.get("ray_installed")), ray_serves(ctx.view.facts.processes.values())
+    return vllm_results(data, kvctl=ctx.kvctl) + ray_results(
+        bool(data.get("ray_installed")), ray_serves(ctx.view.facts.processes.values()), kvctl=ctx.kvctl
     )
 
 
@@ -512,8 +512,11 @@ def ray_serves(processes: Any) -> list[int]:
     return sorted(out)
 
 
-def ray_results(installed: bool, pids: list[int]) -> list[CheckResult]:
-    """Doctor lines about Ray: a warning naming the Ray-backed vLLM processes running here, else a note if installed."""
+def ray_results(installed: bool, pids: list[int], kvctl: str = "kvctl") -> list[CheckResult]:
+    """Doctor lines about Ray: a warning naming the Ray-backed vLLM processes running here, else a note if installed.
+
+    `kvctl`: the command the fix names, with the run's options (Context.kvctl).
+    """
     g = Group.ENGINE
     if pids:
         return _r(
@@ -522,7 +525,7 @@ def ray_results(installed: bool, pids: list[int]) -> list[CheckResult]:
             Status.WARN,
             f"Ray-backed vLLM process(es) here (PID {', '.join(map(str, pids[:8]))}): " + RAY_NOT_COVERED,
             "serve with the default multiprocessing backends to have kvcached cover them; "
-            "meanwhile clean up by hand: kvctl gc --yes",
+            f"meanwhile clean up by hand: {kvctl} gc --yes",
             pids=pids,
         )
     if installed:
@@ -530,8 +533,8 @@ def ray_results(installed: bool, pids: list[int]) -> list[CheckResult]:
     return []
 
 
-def vllm_results(data: Mapping[str, Any]) -> list[CheckResult]:
-    """Doctor lines from `kvcached.integration.vllm_patches.detect().to_dict()`."""
+def vllm_results(data: Mapping[str, Any], kvctl: str = "kvctl") -> list[CheckResult]:
+    """Doctor lines from `kvcached.integration.vllm_patches.detect().to_dict()`; fixes name `kvctl` (Context.kvctl)."""
     g = Group.ENGINE
     enable = "export ENABLE_KVCACHED=true (kvcached's vLLM plugin applies its patches in every vLLM process)"
     if data.get("error"):
@@ -610,7 +613,7 @@ def vllm_results(data: Mapping[str, Any]) -> list[CheckResult]:
                 g,
                 Status.WARN,
                 text + ("; no kvcached patch is active" if present else ""),
-                enable + "; meanwhile: kvctl gc --yes",
+                f"{enable}; meanwhile: {kvctl} gc --yes",
             )
     return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -304,6 +305,10 @@ def test_doctor(layout, uniq: str) -> None:
             "socket-paths", "extension", "stale", "orphans", "namespaces"} <= names
     assert any(c["group"] == "engine" for c in doc["checks"])
     assert doc["healthy"] == (doc["exit_code"] == 0)
+    # Every command line a fix prints carries this run's --root: pasted as printed, it acts on this node.
+    command_line = re.compile(r"\bkvctl (gc|inspect|delete|list|doctor)\b")
+    bare = [c["fix"] for c in doc["checks"] if command_line.search(c.get("fix") or "")]
+    assert not bare, bare
     stale_segment(layout, dead_name(uniq))
     r = kvctl("--root", layout.root, "doctor", "node")
     assert "warn" in r.stdout and f"fix: kvctl --root {layout.root} gc --yes" in r.stdout and r.code == 0
