@@ -899,7 +899,7 @@ def _demo_event(out: Out, say: Callable[[str], None], ev: dict[str, Any]) -> Non
     elif ev.get("event") == "stopped":
         alive = ev.get("alive") or []
         out.line(
-            "every process is gone; nobody removed the state they made"
+            "every process is gone; what they had not removed in those ~20 ms is left behind"
             if not alive
             else f"still alive: {', '.join(map(str, alive))}",
             indent=4,
