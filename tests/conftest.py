@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -19,7 +20,7 @@ TEST_USER = "kvctest"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """A temporary base of this session's own, removed at its end.
+    """A temporary base of this session's own, removed at its end; what vLLM leaves, kept or removed too.
 
     pytest's default base (/tmp/pytest-of-<user>/pytest-<N>) keeps the last three
     sessions and deletes older ones: a second suite running at the same time (a
@@ -35,6 +36,7 @@ def pytest_configure(config: pytest.Config) -> None:
         rpc = tempfile.mkdtemp(prefix="kvtest-rpc-", dir="/tmp")
         os.environ["VLLM_RPC_BASE_PATH"] = rpc
         config._kvcached_rpc = rpc  # type: ignore[attr-defined]
+    config._kvcached_psm_before = _vllm_shm()  # type: ignore[attr-defined]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -42,6 +44,63 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         base = getattr(config, attr, None)
         if base:
             shutil.rmtree(base, ignore_errors=True)
+    before = getattr(config, "_kvcached_psm_before", None)
+    if before is not None:
+        _remove_dead_vllm_shm(_vllm_shm() - before)
+
+
+SHM = "/dev/shm"
+
+
+def _vllm_shm() -> set[str]:
+    """Names of the POSIX shared memory that vLLM's broadcast queues create (`psm_*`, Python's default names)."""
+    try:
+        return {n for n in os.listdir(SHM) if n.startswith("psm_")}
+    except OSError:
+        return set()
+
+
+def _shm_in_use() -> set[str]:
+    """Names under /dev/shm that a live process maps or holds open."""
+    used: set[str] = set()
+    prefix = SHM + "/"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                for line in f:
+                    at = line.find(prefix.encode())
+                    if at >= 0:
+                        used.add(os.fsdecode(line[at + len(prefix):].rstrip(b"\n")).removesuffix(" (deleted)"))
+            fds = f"/proc/{pid}/fd"
+            for fd in os.listdir(fds):
+                target = os.readlink(f"{fds}/{fd}")
+                if target.startswith(prefix):
+                    used.add(target[len(prefix):])
+        except OSError:
+            continue  # exited meanwhile, or not ours to read
+    return used
+
+
+def _remove_dead_vllm_shm(names: set[str]) -> None:
+    """Remove the broadcast buffers of the serves this session killed, as a crash leaves them.
+
+    vLLM's creator unlinks its buffer only when it shuts down in order; the
+    tests SIGKILL serves (and the resource tracker of their session with
+    them). Only what appeared during this session, is a regular file of ours,
+    and no live process maps or holds is removed: a vLLM running beside the
+    suite keeps its own.
+    """
+    if not names:
+        return
+    in_use = _shm_in_use()
+    for name in names - in_use:
+        path = os.path.join(SHM, name)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 @pytest.fixture
