@@ -191,19 +191,26 @@ def _run_worker(args: argparse.Namespace, layout: Layout) -> int:
             attach_worker(listener, layout, args.name)
         except ImportError:
             pass
-    stopping = False
+    stopping = started = False
 
     def on_term(signum: int, _frame: object) -> None:
         nonlocal stopping
         if stopping:
             return  # a second SIGTERM while the first one's stop() runs: let it finish
         stopping = True
-        listener.stop()  # graceful worker shutdown; vLLM's SIGKILL usually beats it (stop() is a no-op before start)
-        os._exit(0)
+        if started:
+            listener.stop()  # graceful worker shutdown; vLLM's SIGKILL usually beats it
+            os._exit(0)
+        # Else start() is below us on this thread's stack: exiting here would leave its node
+        # behind. It returns to the check after it, which stops.
 
     # Installed before the listener exists: a SIGTERM in between must still run stop().
     signal.signal(signal.SIGTERM, on_term)
     listener.start()
+    started = True
+    if stopping:
+        listener.stop()
+        os._exit(0)
     while True:
         signal.pause()
 

@@ -127,6 +127,39 @@ def test_replaces_a_stale_node_and_stop_cleans_up(layout, uniq) -> None:
     assert not os.path.exists(layout.socket_dir(uniq))
 
 
+def test_a_sigterm_handler_stopping_it_during_start_does_not_deadlock(layout, uniq) -> None:
+    """A handler that calls stop() runs on the main thread, possibly inside the main thread's start().
+
+    start() holds the listener's lock there; stop() used to wait for that lock
+    for ever (a worker SIGTERMed right as it began serving hung, 10 of 60 times
+    on a busy machine). Now the stop waits for start() to return, which stops.
+    Run in a child, so that a deadlock shows as a timeout, not a hung suite.
+    """
+    code = textwrap.dedent(f"""
+        import os, signal
+        from kvcached.node.layout import Layout
+        from kvcached.runtime.ipc.listener import WorkerListener
+
+        w = WorkerListener(Layout({layout.root!r}), {uniq!r}, 0)
+        signal.signal(signal.SIGTERM, lambda *_: w.stop())
+        clear = w._clear_path
+
+        def clear_then_sigterm():  # inside start(), with its lock held
+            clear()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        w._clear_path = clear_then_sigterm
+        w.start()
+        print("serving" if os.path.exists(w.path) else "stopped", os.path.exists({layout.socket_dir(uniq)!r}))
+    """)
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("stop() from a signal handler during start() deadlocked")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["stopped", "False"], r.stdout + r.stderr
+
+
 def test_stop_leaves_directory_while_a_peer_holds_the_lease(layout, uniq) -> None:
     a = WorkerListener(layout, uniq, 0).start()
     b = WorkerListener(layout, uniq, 1).start()

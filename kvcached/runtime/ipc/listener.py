@@ -62,6 +62,10 @@ class WorkerListener:
         self._stop_r, self._stop_w = -1, -1
         self._lock = threading.Lock()
         self._stopping = False
+        # The thread inside start() (it holds _lock), and a stop() that had to wait for it: a
+        # signal handler runs on the main thread, possibly in the middle of the main thread's start().
+        self._starting_in: int | None = None
+        self._stop_pending = False
 
     def register(self, command: str, handler: Handler) -> None:
         """Add a command (the runtime adds map / unmap / created)."""
@@ -122,41 +126,57 @@ class WorkerListener:
             raise SocketInUse(self.path, (), f"cannot prove it dead (bind test: {err})")
 
     def start(self) -> WorkerListener:
-        """Create the directory, take the lease, clear a stale node, bind and serve."""
+        """Create the directory, take the lease, clear a stale node, bind and serve.
+
+        A stop() asked for on this thread meanwhile (a SIGTERM handler) runs as start() returns.
+        """
         with self._lock:
-            if self._sock is not None:
-                return self
-            self.layout.check_socket_path(self.path)
-            self._take_lease()
+            self._starting_in = threading.get_ident()
             try:
-                self._clear_path()
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-                bound = False
-                try:
-                    sock.bind(self.path)
-                    bound = True
-                    st = os.lstat(self.path)
-                    os.chmod(self.path, 0o600)
-                    sock.listen(64)
-                except BaseException as e:
-                    # Anything between bind and serving (an OSError, or SystemExit
-                    # from a SIGTERM handler) must not leave our node behind.
-                    sock.close()
-                    if bound:
-                        _unlink_if_same(self.path, st if "st" in locals() else None)
-                    if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
-                        raise SocketInUse(self.path, (), "another process bound it first") from None
-                    raise
+                self._start()
             except BaseException:
-                self._lease.release()  # type: ignore[union-attr]
-                self._lease = None
+                self._stop_pending = False  # nothing was started: nothing left to stop
                 raise
-            self._sock, self._ident = sock, (st.st_dev, st.st_ino)
-            self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
-            self._thread = threading.Thread(target=self._serve, name=f"kvcached-ipc-{self.stage}-{self.rank}",
-                                             daemon=True)
-            self._thread.start()
+            finally:
+                self._starting_in = None
+        if self._stop_pending:
+            self._stop_pending = False
+            self.stop()
         return self
+
+    def _start(self) -> None:
+        if self._sock is not None:
+            return
+        self.layout.check_socket_path(self.path)
+        self._take_lease()
+        try:
+            self._clear_path()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            bound = False
+            try:
+                sock.bind(self.path)
+                bound = True
+                st = os.lstat(self.path)
+                os.chmod(self.path, 0o600)
+                sock.listen(64)
+            except BaseException as e:
+                # Anything between bind and serving (an OSError, or SystemExit
+                # from a SIGTERM handler) must not leave our node behind.
+                sock.close()
+                if bound:
+                    _unlink_if_same(self.path, st if "st" in locals() else None)
+                if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+                    raise SocketInUse(self.path, (), "another process bound it first") from None
+                raise
+        except BaseException:
+            self._lease.release()  # type: ignore[union-attr]
+            self._lease = None
+            raise
+        self._sock, self._ident = sock, (st.st_dev, st.st_ino)
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._serve, name=f"kvcached-ipc-{self.stage}-{self.rank}",
+                                        daemon=True)
+        self._thread.start()
 
     def _serve(self) -> None:
         sel = selectors.DefaultSelector()
@@ -220,9 +240,14 @@ class WorkerListener:
         """Close, unlink our own node, remove directories we leave empty, release the lease.
 
         Re-entrant: a SIGTERM handler that calls stop() while a stop() is already
-        running in the same thread returns at once instead of deadlocking.
+        running in the same thread returns at once instead of deadlocking; one that
+        interrupts start() on its thread (which holds the lock) leaves the stop to
+        start(), which stops before it returns.
         """
         if self._stopping:
+            return
+        if self._starting_in == threading.get_ident():
+            self._stop_pending = True
             return
         self._stopping = True
         try:
