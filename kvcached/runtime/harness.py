@@ -232,7 +232,12 @@ def _run_engine(args: argparse.Namespace, layout: Layout) -> int:
         for _, _, p in workers:
             p.terminate()
         for _, _, p in workers:
-            p.wait()
+            # Not p.wait(): this handler may have interrupted a p.poll() on this thread that
+            # holds the Popen's non-reentrant waitpid lock (the wait for the workers to listen).
+            try:
+                os.waitpid(p.pid, 0)
+            except ChildProcessError:
+                pass  # reaped already
         os._exit(0)
 
     # Before the first worker and long before READY: once the owner has seen
