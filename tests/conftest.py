@@ -29,18 +29,21 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.option.basetemp is None and not hasattr(config, "workerinput"):
         config.option.basetemp = tempfile.mkdtemp(prefix="kvtest-", dir="/tmp")
         config._kvcached_basetemp = config.option.basetemp  # type: ignore[attr-defined]
-    if "VLLM_RPC_BASE_PATH" not in os.environ:
-        # vLLM's engines and clients bind ZMQ sockets at <this>/<uuid4> (default: /tmp) and
-        # leave them behind when a test kills them, as a crash would: keep them in the session's
-        # own directory. Set here, before any test imports vLLM, so every child inherits it.
-        rpc = tempfile.mkdtemp(prefix="kvtest-rpc-", dir="/tmp")
-        os.environ["VLLM_RPC_BASE_PATH"] = rpc
-        config._kvcached_rpc = rpc  # type: ignore[attr-defined]
+    # What vLLM and torch write into /tmp goes to a directory of the session's own, set
+    # before any test imports them so that every child inherits it: vLLM's ZMQ sockets
+    # (<base>/<uuid4>, left behind when a test kills a serve, as a crash would) and torch's
+    # inductor cache (/tmp/torchinductor_<user>).
+    scratch = tempfile.mkdtemp(prefix="kvtest-scratch-", dir="/tmp")
+    config._kvcached_scratch = scratch  # type: ignore[attr-defined]
+    for var, sub in (("VLLM_RPC_BASE_PATH", "rpc"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        if var not in os.environ:
+            os.makedirs(os.path.join(scratch, sub))
+            os.environ[var] = os.path.join(scratch, sub)
     config._kvcached_psm_before = _vllm_shm()  # type: ignore[attr-defined]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    for attr in ("_kvcached_basetemp", "_kvcached_rpc"):
+    for attr in ("_kvcached_basetemp", "_kvcached_scratch"):
         base = getattr(config, attr, None)
         if base:
             shutil.rmtree(base, ignore_errors=True)
