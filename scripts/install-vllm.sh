@@ -133,7 +133,11 @@ EOF
 
 LOG=$(mktemp -t install-vllm.XXXXXX)
 CONSTRAINTS=$(mktemp -t install-vllm-pins.XXXXXX)
-trap 'rm -f "$LOG" "$CONSTRAINTS"' EXIT
+SCRATCH=$(mktemp -d -t install-vllm-scratch.XXXXXX)
+trap 'rm -rf "$LOG" "$CONSTRAINTS" "$SCRATCH"' EXIT
+# Importing vLLM makes torch create its inductor cache (/tmp/torchinductor_<user>): the
+# checks below keep it in a directory removed on exit, so an install leaves nothing in /tmp.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$SCRATCH/inductor}
 printf '%s\n' "$PINS" | sed '/^$/d' >"$CONSTRAINTS"
 
 # Run a step with its output kept aside; print it only when the step fails.
