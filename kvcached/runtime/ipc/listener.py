@@ -62,9 +62,9 @@ class WorkerListener:
         self._stop_r, self._stop_w = -1, -1
         self._lock = threading.Lock()
         self._stopping = False
-        # The thread inside start() (it holds _lock), and a stop() that had to wait for it: a
-        # signal handler runs on the main thread, possibly in the middle of the main thread's start().
-        self._starting_in: int | None = None
+        # Whether this thread is inside start() (and may hold _lock), and a stop() that had to
+        # wait for it: a signal handler runs on the main thread, possibly inside its start().
+        self._tls = threading.local()
         self._stop_pending = False
 
     def register(self, command: str, handler: Handler) -> None:
@@ -130,15 +130,17 @@ class WorkerListener:
 
         A stop() asked for on this thread meanwhile (a SIGTERM handler) runs as start() returns.
         """
-        with self._lock:
-            self._starting_in = threading.get_ident()
-            try:
+        # Marked before the lock is taken and cleared after it is let go, so that a handler
+        # interrupting this thread anywhere in between defers instead of waiting for the lock.
+        self._tls.starting = True
+        try:
+            with self._lock:
                 self._start()
-            except BaseException:
-                self._stop_pending = False  # nothing was started: nothing left to stop
-                raise
-            finally:
-                self._starting_in = None
+        except BaseException:
+            self._stop_pending = False  # nothing was started: nothing left to stop
+            raise
+        finally:
+            self._tls.starting = False
         if self._stop_pending:
             self._stop_pending = False
             self.stop()
@@ -246,7 +248,7 @@ class WorkerListener:
         """
         if self._stopping:
             return
-        if self._starting_in == threading.get_ident():
+        if getattr(self._tls, "starting", False):
             self._stop_pending = True
             return
         self._stopping = True
