@@ -6,24 +6,20 @@ calls, and `vllm_patches.detect()` imports vLLM only when it is called.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
+from .. import settings
 from ..node.layout import Layout
 
-ENV_ROOT = "KVCACHED_ROOT"
+ENV_ROOT = settings.ROOT.name
 PLUGIN_NAME = "kvcached"  # the entry point's name in group vllm.general_plugins
-ENV_VLLM_PLUGINS = "VLLM_PLUGINS"
+ENV_VLLM_PLUGINS = settings.VLLM_PLUGINS.name
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
     """True when kvcached is switched on: upstream's `ENABLE_KVCACHED=true`, our `KVCACHED_ENABLE=1`,
     or `KVCACHED_ELASTIC=1` (elastic KV memory needs the other patches: the worker listener)."""
-    env = os.environ if environ is None else environ
-    upstream = env.get("ENABLE_KVCACHED", "").strip().lower() in ("true", "1", "yes", "on")
-    ours = env.get("KVCACHED_ENABLE", "").strip().lower() in ("1", "true", "yes", "on")
-    elastic = env.get("KVCACHED_ELASTIC", "").strip().lower() in ("1", "true", "yes", "on")
-    return upstream or ours or elastic
+    return any(s.get(environ) for s in (settings.ENABLE_KVCACHED, settings.ENABLE, settings.ELASTIC))
 
 
 def plugin_allowed(environ: Mapping[str, str] | None = None) -> bool:
@@ -32,13 +28,11 @@ def plugin_allowed(environ: Mapping[str, str] | None = None) -> bool:
     Parsed as vLLM 0.33 parses it (`envs.VLLM_PLUGINS`): split on `,`, names
     compared exactly, so `VLLM_PLUGINS=""` allows no plugin at all.
     """
-    env = os.environ if environ is None else environ
-    if ENV_VLLM_PLUGINS not in env:
-        return True
-    return PLUGIN_NAME in env[ENV_VLLM_PLUGINS].split(",")
+    allow = settings.VLLM_PLUGINS.get(environ)
+    return allow is None or PLUGIN_NAME in allow.split(",")
 
 
 def layout_from_env(environ: Mapping[str, str] | None = None) -> Layout:
-    """The node layout engine processes use: `/`, or `KVCACHED_ROOT` (tests, chroots)."""
-    env = os.environ if environ is None else environ
-    return Layout(root=env.get(ENV_ROOT) or "/")
+    """The node layout engine processes use: `/`, or `KVCACHED_ROOT` (tests, chroots); raises SettingError
+    for a relative `KVCACHED_ROOT` (settings.ROOT says why it is strict)."""
+    return Layout(root=settings.ROOT.get(environ))

@@ -16,13 +16,13 @@ segment and limit this process claimed. Nothing here raises into the engine.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .. import settings
 from ..node.layout import Layout
 from ..node.lease import SegmentLease
 from ..node.naming import dp_rank_name, ipc_name_from_env
@@ -36,24 +36,21 @@ log = logging.getLogger("kvcached.integration.engine")
 # a serve with data parallel size > 1: vLLM resets a non-MoE DP rank's config to
 # DP = 1 before its executor starts, so the config alone cannot tell rank 0 of
 # a DP serve from a serve without DP.
-ENV_DP = "KVCACHED_DP_SERVE"
-# How often (seconds) the engine re-reads vLLM's KV cache usage and publishes used/prealloc.
-ENV_PUBLISH_INTERVAL = "KVCACHED_PUBLISH_INTERVAL_S"
+ENV_DP = settings.DP_SERVE.name
 # Upstream readers hold the segment's flock for microseconds; retry that long.
 _REMOVE_TRIES = 20
 
 
 def engine_name(parallel_config: Any, environ: Mapping[str, str] | None = None) -> str:
     """The IPC name of this engine and its workers: the serve's name, plus `_dp<rank>` in a DP serve."""
-    env = os.environ if environ is None else environ
-    base = ipc_name_from_env(env)
+    base = ipc_name_from_env(environ)
     size = getattr(parallel_config, "data_parallel_size", 1)
     index = getattr(parallel_config, "data_parallel_index", None)
     if not isinstance(index, int):
         index = getattr(parallel_config, "data_parallel_rank", 0)
     size = size if isinstance(size, int) else 1
     index = index if isinstance(index, int) else 0
-    if env.get(ENV_DP) == "1" or size > 1 or index > 0:
+    if settings.DP_SERVE.get(environ) or size > 1 or index > 0:
         return dp_rank_name(base, index)
     return base
 
@@ -139,10 +136,7 @@ class EngineState:
             self._thread.start()
 
     def _follow(self) -> None:
-        try:
-            interval = max(0.01, float(os.environ.get(ENV_PUBLISH_INTERVAL, "1.0")))
-        except ValueError:
-            interval = 1.0
+        interval = settings.PUBLISH_INTERVAL_S.get()
         while not self._stop.wait(interval):
             self.publish_usage()
 

@@ -36,21 +36,18 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-import os
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvcached import settings
 from kvcached.runtime.kvplan import Footprint
 
 log = logging.getLogger("kvcached.integration.vllm.elastic")
 
-ENV_ELASTIC = "KVCACHED_ELASTIC"
-ENV_RESERVE = "KVCACHED_ELASTIC_RESERVE_PAGES"
-ENV_PAGE_SIZE = "KVCACHED_PAGE_SIZE"
-ENV_DELAY = "KVCACHED_ELASTIC_RELEASE_DELAY_S"
+ENV_ELASTIC = settings.ELASTIC.name
 MARK = "_kvcached_elastic"  # set on the KVCacheConfig objects the engine sends its workers
 _MAX_RUNS_PER_BLOCK = 4096
 
@@ -70,30 +67,18 @@ class ShapeError(Exception):
 
 
 def elastic_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """True when ``KVCACHED_ELASTIC`` is 1/true/yes/on."""
-    env = os.environ if environ is None else environ
-    return env.get(ENV_ELASTIC, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _env_number(environ: Mapping[str, str] | None, name: str, default: float) -> float:
-    """A non-negative number from the environment; a bad one is warned about and the default used."""
-    env = os.environ if environ is None else environ
-    raw = env.get(name, "").strip()
-    try:
-        return max(0.0, float(raw)) if raw else default
-    except ValueError:
-        log.warning("kvcached: %s=%r is not a number; using %g", name, raw, default)
-        return default
+    """True when ``KVCACHED_ELASTIC`` is on."""
+    return settings.ELASTIC.get(environ)
 
 
 def reserve_pages(environ: Mapping[str, str] | None = None) -> int:
     """Free pages kept mapped for the next requests (``KVCACHED_ELASTIC_RESERVE_PAGES``, default 1)."""
-    return int(_env_number(environ, ENV_RESERVE, 1))
+    return settings.ELASTIC_RESERVE_PAGES.get(environ)
 
 
 def release_delay(environ: Mapping[str, str] | None = None) -> float:
     """Seconds a free page stays mapped while requests run (``KVCACHED_ELASTIC_RELEASE_DELAY_S``, 1)."""
-    return _env_number(environ, ENV_DELAY, 1.0)
+    return settings.ELASTIC_RELEASE_DELAY_S.get(environ)
 
 
 def page_size(environ: Mapping[str, str] | None = None) -> int:
@@ -102,11 +87,7 @@ def page_size(environ: Mapping[str, str] | None = None) -> int:
     Smaller pages only work on the CPU backend (tests, small models): every
     engine and worker process of a deployment must see the same value.
     """
-    from kvcached.runtime.pages import DEFAULT_PAGE_SIZE
-
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_PAGE_SIZE, "").strip()
-    return int(raw) if raw else DEFAULT_PAGE_SIZE
+    return settings.PAGE_SIZE.get(environ)
 
 
 # -- the layout of vLLM's KV cache buffer ------------------------------------------

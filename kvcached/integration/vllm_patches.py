@@ -530,7 +530,7 @@ def _device_total() -> int | None:
 def engine_limit(vllm_config: Any) -> Any:
     """The limit this engine claims with (KVCACHED_LIMIT, else vLLM's memory share of one device)."""
     from ..node.units import BadValue
-    from .limits import ENV_LIMIT, resolve_limit
+    from .limits import resolve_limit
 
     share = getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization", 0.9)
     share = share if isinstance(share, float) and 0 < share <= 1 else 0.9
@@ -538,8 +538,7 @@ def engine_limit(vllm_config: Any) -> Any:
         return resolve_limit(_device_total, share)
     except BadValue as e:
         log.warning("kvcached: %s; using vLLM's memory share instead", e)
-        env = {k: v for k, v in os.environ.items() if k != ENV_LIMIT}
-        return resolve_limit(_device_total, share, env)
+        return resolve_limit(_device_total, share, {})
 
 
 def start_engine(executor: Any, *, serve: bool) -> Any:
