@@ -7,9 +7,11 @@ from types import SimpleNamespace
 import pytest
 
 from kvcached import settings
-from kvcached.integration.engine_state import ENV_DP, engine_name
 from kvcached.integration.limits import ENV_LIMIT, resolve_limit
+from kvcached.integration.vllm.common import engine_name
 from kvcached.node.units import BadValue
+
+ENV_DP = settings.DP_SERVE.name
 
 GPU = 80 << 30
 
