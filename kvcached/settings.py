@@ -15,24 +15,35 @@ Values are parsed one way for every variable:
   without the extension fails; falling back to "optional" would let exactly
   that build pass).
 
-Only the standard library, and cheap to import: `setup.py` loads this file by
-its path to read the build switches, before anything is installed.
+Only the standard library, and cheap to import (no typing, dataclasses or
+logging at import: shell completion passes through here): `setup.py` loads this
+file by its path to read the build switches, before anything is installed.
 README.md ("Environment variables") documents the same set; a test holds the two together.
 """
 
 from __future__ import annotations
 
-import logging
+import _thread
 import math
 import os
-import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
 
-log = logging.getLogger("kvcached.settings")
+# Cheap to import by design (kvctl's shell completion reads names through kvcached.node.naming, which reads a
+# setting): no typing, dataclasses or logging at import. mypy reads the branch below (any name TYPE_CHECKING).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from typing import Any, Generic, TypeVar
 
-T = TypeVar("T")
+    T = TypeVar("T")
+
+    class _Generic(Generic[T]):
+        pass
+else:
+    T = object
+
+    class _Generic:
+        def __class_getitem__(cls, _item: object) -> type:  # Setting[bool] at run time, without typing
+            return cls
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -47,25 +58,40 @@ class SettingError(ValueError):
         self.raw = raw
 
 
-@dataclass(frozen=True)
 class Amount:
     """A size in bytes or a share of something: what `KVCACHED_LIMIT=40G` or `=80%` says."""
 
-    bytes: int | None = None
-    share: float | None = None  # in (0, 1]
+    __slots__ = ("bytes", "share")
+
+    def __init__(self, bytes: int | None = None, share: float | None = None) -> None:
+        self.bytes = bytes
+        self.share = share  # in (0, 1]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Amount) and (self.bytes, self.share) == (other.bytes, other.share)
+
+    def __hash__(self) -> int:
+        return hash((self.bytes, self.share))
+
+    def __repr__(self) -> str:
+        return f"Amount(bytes={self.bytes!r}, share={self.share!r})"
 
 
-@dataclass(frozen=True)
-class Setting(Generic[T]):
+class Setting(_Generic[T]):
     """One environment variable: name, kind (for the reader), default, meaning, and how its text becomes a value."""
 
-    name: str
-    kind: str
-    default: T
-    doc: str
-    parse: Callable[[str], T]
-    strict: str | None = None  # why a default would do harm: a bad value raises SettingError instead
-    blank_is_unset: bool = True  # False: an empty value means something (VLLM_PLUGINS="" allows no plugin)
+    def __init__(self, name: str, kind: str, default: T, doc: str, parse: Callable[[str], T], *,
+                 strict: str | None = None, blank_is_unset: bool = True) -> None:
+        self.name = name
+        self.kind = kind
+        self.default = default
+        self.doc = doc
+        self.parse = parse
+        self.strict = strict  # why a default would do harm: a bad value raises SettingError instead
+        self.blank_is_unset = blank_is_unset  # False: an empty value means something (VLLM_PLUGINS="")
+
+    def __repr__(self) -> str:
+        return f"Setting({self.name!r}, default={self.default!r})"
 
     def raw(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The variable's text as set, or None when unset (blank too, unless blank means something)."""
@@ -89,7 +115,7 @@ class Setting(Generic[T]):
 
 
 _warned: set[tuple[str, str]] = set()
-_warned_lock = threading.Lock()
+_warned_lock = _thread.allocate_lock()
 
 
 def _warn_once(setting: Setting[Any], raw: str, why: str) -> None:
@@ -97,8 +123,10 @@ def _warn_once(setting: Setting[Any], raw: str, why: str) -> None:
         if (setting.name, raw) in _warned:
             return
         _warned.add((setting.name, raw))
-    log.warning("kvcached: %s=%r is not usable (%s); using the default, %s", setting.name, raw, why,
-                _shown(setting.default))
+    import logging  # only when there is something to say (see the imports above)
+
+    logging.getLogger("kvcached.settings").warning("kvcached: %s=%r is not usable (%s); using the default, %s",
+                                                   setting.name, raw, why, _shown(setting.default))
 
 
 def _shown(value: object) -> str:

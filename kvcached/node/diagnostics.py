@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from .. import settings
 from . import naming
 from .cleanup import Plan, plan
 from .decide import Policy, State
@@ -265,7 +266,7 @@ def _longest_socket(layout: Layout, name: str) -> str:
 
 def check_ipc_name(ctx: Context) -> list[CheckResult]:
     g = Group.CONFIGURATION
-    raw = ctx.environ.get(naming.ENV_NAME, "")
+    raw = settings.IPC_NAME.raw(ctx.environ) or ""
     if not raw:
         return _r("ipc-name", g, Status.OK, f"{naming.ENV_NAME} unset: deployments use kvcached_<Tag>_<PGID>")
     clean = naming.sanitize(raw)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import logging
@@ -46,6 +47,21 @@ def test_switch(env: dict[str, str], on: bool) -> None:
 ])
 def test_vllm_plugins_allow_list(env: dict[str, str], allowed: bool) -> None:
     assert plugin_allowed(env) is allowed
+
+
+def test_a_relative_root_makes_kvcached_stand_aside_in_the_engine(monkeypatch, uniq, caplog) -> None:
+    """KVCACHED_ROOT is strict: a relative one is not taken for `/`, so nothing lands on the real node."""
+    from types import SimpleNamespace
+
+    from kvcached.integration.vllm.engine_state import start_engine
+
+    monkeypatch.setenv("KVCACHED_ROOT", "relative/root")
+    monkeypatch.setenv("KVCACHED_IPC_NAME", uniq)
+    executor = SimpleNamespace(parallel_config=SimpleNamespace(), vllm_config=SimpleNamespace())
+    with caplog.at_level(logging.WARNING, logger="kvcached.integration.vllm"):
+        assert start_engine(executor, serve=True) is None
+    assert "engine state not set up: KVCACHED_ROOT='relative/root': not an absolute path" in caplog.text
+    assert not os.path.lexists(f"/dev/shm/{uniq}") and not glob.glob(f"/tmp/kvcached-tp-{uniq}-*")
 
 
 def test_entry_point_is_declared() -> None:

@@ -102,6 +102,21 @@ def test_no_module_reads_a_setting_at_import() -> None:
     assert r.returncode == 0 and "garbage" not in r.stderr, r.stderr[-2000:]
 
 
+def test_reading_settings_costs_no_heavy_import() -> None:
+    """Shell completion reads names through kvcached.node.naming, which reads a setting: keep it cheap.
+
+    Counted as modules loaded, not as time (benchmarks measure time): without
+    site, so that nothing else has loaded them first.
+    """
+    code = ("import sys, kvcached.settings as s\n"
+            "s.IPC_NAME.get({'KVCACHED_IPC_NAME': 'x'}); s.LIMIT.get({})\n"
+            "print(sorted(m for m in ('typing', 'logging', 'dataclasses', 'threading', 'kvcached.node') "
+            "if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.stdout.strip() == "[]"
+
+
 def test_declared_once() -> None:
     names = [s.name for s in settings.ALL]
     assert len(names) == len(set(names))
