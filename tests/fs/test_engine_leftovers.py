@@ -13,6 +13,7 @@ import secrets
 import shutil
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import textwrap
@@ -33,7 +34,7 @@ from kvcached.node.engines.act import EnginePlan
 from kvcached.node.facts import START_SLACK
 from kvcached.node.layout import Layout
 
-from .helpers import run_as
+from .helpers import live_socket, run_as
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "kvctl/schemas/engine_entry.json").read_text())
 OLD = 3600.0
@@ -441,3 +442,30 @@ def test_kinds_filter_after_deciding(node: Node) -> None:
     p = plan_engines(node.layout, Policy(grace=60), names=names_of([a, b]), kinds=[EngineKind.NCCL_SHM])
     assert [c.path for c, _ in p.entries()] == [b]
     assert p.matched >= 2
+
+
+def test_kvcached_segments_named_like_engine_buffers_stay_plain_gcs(layout: Layout) -> None:
+    """An explicit KVCACHED_IPC_NAME may read like psm_…: kvcached's own scan judges it, never the engine pass.
+
+    (An upstream segment is never mapped or held between accesses: as an engine buffer it would look unused.)
+    """
+    n = Node(layout)
+    named = n.file("psm_0a1b2c3d", nbytes=0)  # a deployment's segment: its socket directory names it
+    serving = live_socket(layout.socket_path("psm_0a1b2c3d", 0))
+    shaped = n.file("psm_1a2b3c4d", nbytes=0)  # upstream's shape: 24 bytes, a positive limit, nothing names it
+    with open(shaped, "r+b") as f:
+        f.write(struct.pack("=qqq", 1 << 30, 0, 0))
+    backdate(shaped, OLD)
+    buffer = n.file("psm_2a3b4c5d", nbytes=0)  # 24 bytes but no limit: an engine's
+    os.truncate(buffer, 24)
+    backdate(buffer, OLD)
+    try:
+        p = engine_plan(n, [named, shaped, buffer])
+        assert by_path(p) == {buffer: (State.STALE, EngineReason.UNUSED)}
+        plain = {c.path: d for c, d in cleanup.plan(layout, Policy(grace=60)).entries()}
+        assert plain[named].state is State.LIVE
+        assert plain[shaped].state is State.UNKNOWN
+        assert buffer not in plain
+    finally:
+        serving.close()
+        n.cleanup()

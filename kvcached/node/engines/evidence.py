@@ -94,7 +94,8 @@ def gather_engine_evidence(facts: Facts, candidates: Sequence[EngineCandidate], 
             for n in set(nspids) | {pid}:
                 if n in wanted:
                     by_any_pid.setdefault(n, []).append(Proc(pid, info.start_time))
-    listeners = {ident: facts.serving_pids(ident) for ident in facts.listeners}
+    sockets = {c.ident for c in candidates if c.family.where is Where.RPC and c.ftype is FileType.SOCKET}
+    listeners = {ident: facts.serving_pids(ident) for ident in sockets & facts.listeners.keys()}
     blind = tuple(Blind(pid, q.uid) for pid, what in sorted(facts.unreadable_pids.items())
                   if what & {"fd", "maps"} and (q := facts.processes.get(pid)) is not None and q.engine_like)
     gap = _pid_namespace_gap(root)

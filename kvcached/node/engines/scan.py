@@ -10,14 +10,16 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from .. import naming
 from ..facts import Facts
 from ..ident import file_handle
 from ..layout import Layout
 from ..scan import FileType, file_type
+from ..segment import SEGMENT_SIZE, has_mark, peek_limit
 from ..sockdiag import Bind, bound
 from .families import Engine, EngineKind, Evidence, Family, Where, match_name
 
@@ -109,18 +111,51 @@ def _entries(directory: str, where: Where, errors: list[str],
         os.close(fd)
 
 
-def scan_engine_state(layout: Layout, facts: Facts | None = None, rpc_dirs: Iterable[str] = ()) -> EngineScan:
+def kvcached_names(layout: Layout, facts: Facts | None) -> set[str]:
+    """The deployment names kvcached's own scan ties to its state: a socket directory, a process's IPC name."""
+    names = {p.ipc_name for p in facts.processes.values() if p.ipc_name} if facts is not None else set()
+    try:
+        entries = os.listdir(layout.tmp_dir)
+    except OSError:
+        return names
+    for entry in entries:
+        parsed = naming.parse_socket_dir_name(entry)
+        if parsed is not None and parsed[1]:
+            names.add(parsed[0])
+    return names
+
+
+def _kvcached_segment(name: str, fd: int, st: os.stat_result, kvcached: Collection[str]) -> bool:
+    """Whether plain gc judges this /dev/shm file as a kvcached segment (then the engine pass never does).
+
+    An explicit KVCACHED_IPC_NAME may look like an engine's name (psm_0a1b2c3d), and an upstream segment
+    is never held or mapped between accesses: judged as an engine buffer, a live one would look unused.
+    """
+    if name in kvcached:
+        return True
+    if not (stat.S_ISREG(st.st_mode) and st.st_size == SEGMENT_SIZE):
+        return False
+    return has_mark(name, fd) or (peek_limit(name, fd, st) or 0) > 0
+
+
+def scan_engine_state(layout: Layout, facts: Facts | None = None, rpc_dirs: Iterable[str] = (),
+                      kvcached: Collection[str] | None = None) -> EngineScan:
     """Every entry of /dev/shm and of the RPC directories (/tmp, then `rpc_dirs`) whose name is an engine family's.
 
     In /dev/shm every matching name is a candidate, whatever its type (a wrong
-    type is reported as foreign). In an RPC directory only socket nodes and
-    symbolic links are: directories and files named by a uuid4 are made by
-    many programs and are no engine's. With `facts`, a socket node that no
-    listing shows gets the passive bind test.
+    type is reported as foreign), except kvcached's own segments (`kvcached`:
+    the names kvcached_names() finds, by default; and 24-byte files that plain
+    gc recognises by their mark or shape). In an RPC directory only socket
+    nodes and symbolic links are: directories and files named by a uuid4 are
+    made by many programs and are no engine's. With `facts`, a socket node
+    that no listing shows gets the passive bind test.
     """
     out = EngineScan()
+    ours = kvcached_names(layout, facts) if kvcached is None else kvcached
     shm = layout.shm_dir
     for fd, pst, name, st, fam, creator, group in _entries(shm, Where.SHM, out.errors, set()):
+        if _kvcached_segment(name, fd, st, ours):
+            continue
         out.candidates.append(_candidate(fam, creator, group, os.path.join(shm, name), name, shm, pst, st,
                                          file_handle(name, fd)))
     seen: set[tuple[int, int]] = set()
