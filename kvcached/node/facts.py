@@ -316,6 +316,15 @@ def process_start_time(pid: int, proc_root: str = "/proc") -> float | None:
     return None if gone else start
 
 
+def is_kernel_thread(pid: int, proc_root: str = "/proc") -> bool:
+    """Whether `pid` is a kernel thread in this procfs (they live only in the initial PID namespace)."""
+    try:
+        raw = _read(f"{proc_root}/{pid}/stat")
+        return bool(int(raw[raw.rindex(b")") + 2:].split()[6]) & PF_KTHREAD)
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def _status_uid(raw: bytes) -> int:
     at = raw.find(b"\nUid:")  # never the first line (that is Name:)
     if at < 0:
