@@ -226,8 +226,9 @@ def plant_matrix(n: Node, kids: Children) -> tuple[dict[str, tuple[State, Engine
     kids.spawn(LISTENER, listening)
     backdate(listening, OLD)
     want[listening] = (live, R.LISTENING)
-    # young
-    want[f(n.fresh(n.shm, "psm_{hex8}"), age=0)] = (State.YOUNG, R.YOUNG)
+    # young (not a psm_ name: a concurrent suite's sweep of its own vLLM buffers, tests/conftest.py, removes
+    # unused psm_ files that appeared during it; dead, mapped and non-regular psm_ entries are safe from it)
+    want[f(n.fresh(n.shm, "vllm_mm_" + "B" * 14 + "{hex8}"), age=0)] = (State.YOUNG, R.YOUNG)
     want[s(n.fresh(n.tmp, "{uuid}"), age=0)] = (State.YOUNG, R.YOUNG)
     # foreign: a symlink (to a dead buffer's data under another name), a hard link, a FIFO, a directory
     target = f(n.fresh(n.shm, "target-{hex8}"))
@@ -319,7 +320,7 @@ def _spawn_at(kids: Children, pid: int) -> subprocess.Popen[str] | None:
 
 
 def test_sizes_are_the_memory_held_not_the_apparent_size(node: Node) -> None:
-    path = node.file(node.fresh(node.shm, "psm_{hex8}"), nbytes=4096)
+    path = node.file(node.fresh(node.shm, "vllm_mm_" + "B" * 14 + "{hex8}"), nbytes=4096)
     os.truncate(path, 1 << 30)  # what vLLM's 250 MB buffers look like before anything is written
     backdate(path, OLD)
     (c, _), = engine_plan(node, [path]).entries()
@@ -376,9 +377,9 @@ def test_the_time_limit_keeps_what_it_did_not_reach(node: Node) -> None:
 def test_another_users_entries_as_root_and_as_that_user(node: Node, unpriv_user) -> None:  # type: ignore[no-untyped-def]
     """Root decides and removes another user's dead entries; that user keeps root's as foreign, removes its own."""
     uid = unpriv_user.pw_uid
-    mine = node.file(node.fresh(node.shm, "psm_{hex8}"))
-    theirs = node.file(node.fresh(node.shm, "psm_{hex8}"))
-    theirs_too = node.file(node.fresh(node.shm, "psm_{hex8}"))
+    mine = node.file(node.fresh(node.shm, "vllm_mm_" + "B" * 14 + "{hex8}"))
+    theirs = node.file(node.fresh(node.shm, "vllm_mm_" + "B" * 14 + "{hex8}"))
+    theirs_too = node.file(node.fresh(node.shm, "vllm_mm_" + "B" * 14 + "{hex8}"))
     their_sock = node.socket(node.fresh(node.tmp, "{uuid}"))
     for x in (theirs, theirs_too, their_sock):
         os.chown(x, uid, -1, follow_symlinks=False)
@@ -437,7 +438,7 @@ def test_an_rpc_directory_that_is_a_symlink_is_not_followed(layout: Layout) -> N
 
 
 def test_kinds_filter_after_deciding(node: Node) -> None:
-    a = node.file(node.fresh(node.shm, "psm_{hex8}"))
+    a = node.file(node.fresh(node.shm, "vllm_mm_" + "B" * 14 + "{hex8}"))
     b = node.file(node.fresh(node.shm, "nccl-{alnum6}"))
     p = plan_engines(node.layout, Policy(grace=60), names=names_of([a, b]), kinds=[EngineKind.NCCL_SHM])
     assert [c.path for c, _ in p.entries()] == [b]
