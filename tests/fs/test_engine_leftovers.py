@@ -246,6 +246,11 @@ def plant_matrix(n: Node, kids: Children) -> tuple[dict[str, tuple[State, Engine
     n.planted.append(fifo)
     backdate(fifo, OLD)
     want[fifo] = (State.FOREIGN, R.WRONG_TYPE)
+    sock_target = s(n.fresh(n.tmp, "target-{hex8}.sock"))
+    tmp_link = os.path.join(n.tmp, n.fresh(n.tmp, "{uuid}"))
+    os.symlink(sock_target, tmp_link)
+    n.planted.append(tmp_link)
+    want[tmp_link] = (State.FOREIGN, R.SYMLINK)
     directory = os.path.join(n.shm, n.fresh(n.shm, "nccl-{alnum6}"))
     os.mkdir(directory)
     n.planted.append(directory)
@@ -255,7 +260,7 @@ def plant_matrix(n: Node, kids: Children) -> tuple[dict[str, tuple[State, Engine
                                                   "cuda.shm.{hex8}", "multi_tokenizer_args_0")]
     extra.append(s(n.fresh(n.tmp, "{uuid}.sock")))
     extra.append(f(n.fresh(n.tmp, "{uuid}"), directory=n.tmp))  # a regular file named by a uuid4
-    extra += [target, other_name]
+    extra += [target, other_name, sock_target]
     return want, list(want) + extra
 
 

@@ -64,9 +64,10 @@ PLAN_INSIDE = _ENTER + textwrap.dedent("""
         from kvcached.node.engines import plan_engines
         from kvcached.node.layout import Layout
         out = {}
-        for proc_root in (own_proc, "/proc"):
-            p = plan_engines(Layout(root), Policy(grace=60), names=names, proc_root=proc_root)
-            out[proc_root] = {c.path: [str(d.state), str(d.reason)] for c, d in p.entries()}
+        for key, proc_root, whole in ((own_proc, own_proc, False), ("/proc", "/proc", False),
+                                      ("vouched", own_proc, True)):
+            p = plan_engines(Layout(root), Policy(grace=60), names=names, proc_root=proc_root, whole_view=whole)
+            out[key] = {c.path: [str(d.state), str(d.reason)] for c, d in p.entries()}
         print(json.dumps(out), flush=True)
         os._exit(0)
     _, status = os.wait()
@@ -141,4 +142,6 @@ def test_a_containers_own_procfs_leaves_buffers_unknown_but_sockets_provable(lay
     assert seen[str(own_proc)][dead_socket] == ["stale", "not_listening"]
     # The host's procfs, from inside the same PID namespace (a hostPID-like view): complete.
     assert seen["/proc"][buffer] == ["stale", "unused"]
+    # Its own procfs again, with the caller vouching that nothing outside it can reach these directories.
+    assert seen["vouched"][buffer] == ["stale", "unused"]
     assert not os.path.ismount(own_proc), "the procfs must not have leaked into the host's mounts"

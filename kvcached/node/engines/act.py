@@ -146,17 +146,19 @@ class EngineReport:
 
 def plan_engines(layout: Layout, policy: Policy | None = None, *, facts: Facts | None = None,
                  rpc_dirs: Iterable[str] = (), kinds: Iterable[EngineKind] = (), names: Iterable[str] = (),
-                 now: float | None = None, proc_root: str = "/proc") -> EnginePlan:
+                 now: float | None = None, proc_root: str = "/proc", whole_view: bool = False) -> EnginePlan:
     """Scan, gather evidence and decide every engine entry: no side effects.
 
     `facts` may be the ones a plain gc plan of the same run gathered (one
     /proc pass for both). Every entry is decided and groups settled before
-    the `kinds` and `names` (exact file names) filters apply.
+    the `kinds` and `names` (exact file names) filters apply. `whole_view`:
+    see gather_engine_evidence (the caller vouches for a container's /proc).
     """
     policy = policy or Policy()
     facts = facts if facts is not None else gather_facts(proc_root)
     found = scan_engine_state(layout, facts, rpc_dirs)
-    ev = gather_engine_evidence(facts, found.candidates, is_root=policy.is_root, proc_root=proc_root)
+    ev = gather_engine_evidence(facts, found.candidates, is_root=policy.is_root, proc_root=proc_root,
+                                whole_view=whole_view)
     t = time.time() if now is None else now
     decisions = {c.path: decide_engine(c, ev, policy, t) for c in found.candidates}
     settle_groups(found.candidates, decisions)

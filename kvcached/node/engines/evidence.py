@@ -80,8 +80,14 @@ def _pid_namespace_gap(proc_root: str) -> str | None:
 
 
 def gather_engine_evidence(facts: Facts, candidates: Sequence[EngineCandidate], *, is_root: bool | None = None,
-                           proc_root: str | None = None) -> EngineEvidence:
-    """Read what only engine entries need from /proc (maps, fds by name, namespace PIDs), once for all candidates."""
+                           proc_root: str | None = None, whole_view: bool = False) -> EngineEvidence:
+    """Read what only engine entries need from /proc (maps, fds by name, namespace PIDs), once for all candidates.
+
+    `whole_view`: the caller vouches that this /proc shows every process that
+    can reach the scanned directories although it is a container's own (a
+    pod's entrypoint, before its serve starts, with a /dev/shm only that pod
+    mounts); without it such a view keeps every buffer unknown.
+    """
     root = proc_root or facts.proc_root
     files = [c for c in candidates if c.family.where is Where.SHM and c.ftype is FileType.REGULAR]
     mapped: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -109,7 +115,7 @@ def gather_engine_evidence(facts: Facts, candidates: Sequence[EngineCandidate], 
     listeners = {ident: facts.serving_pids(ident) for ident in sockets & facts.listeners.keys()}
     blind = tuple(Blind(pid, q.uid) for pid, what in sorted(facts.unreadable_pids.items())
                   if what & {"fd", "maps"} and (q := facts.processes.get(pid)) is not None and q.engine_like)
-    gap = _pid_namespace_gap(root)
+    gap = None if whole_view else _pid_namespace_gap(root)
     if gap is None and facts.errors and not facts.processes:
         gap = f"/proc could not be read ({'; '.join(facts.errors)})"
     root_user = os.geteuid() == 0 if is_root is None else is_root
