@@ -19,7 +19,9 @@ Modules, in the order a run uses them:
   `EngineCandidate` per matching name, with its identity, file handle, owner,
   mode, links, allocated bytes (st_blocks × 512, what the entry really holds),
   mtime, ctime, and for a socket node the passive bind test (sockdiag.bound)
-  when no listing shows it.
+  when no listing shows it. Names that kvcached's own scan ties to a
+  deployment (a socket directory, a process's KVCACHED_IPC_NAME, a 24-byte
+  file with our mark or upstream's shape) are plain gc's, never candidates.
 - `evidence`: `gather_engine_evidence(facts, candidates)` asks the /proc facts
   what only the engine pass needs, once: every process's maps matched by the
   device of the scanned files (Facts.map_users, one read that also serves
@@ -27,7 +29,8 @@ Modules, in the order a run uses them:
   did not see them (Facts.fd_users), the PIDs every process has in each PID
   namespace (Facts.namespace_pids, read only when a name carries a PID), the
   listeners by file identity, the processes we could not read, and whether
-  our view of processes can be complete at all (PID namespace, hidepid).
+  this /proc can show every process at all (a container's own procfs
+  cannot, unless the caller vouches for it; hidepid).
 - `decide`: `decide_engine(candidate, evidence, policy, now)`, a pure function
   tested as a table: foreign (symlink, wrong type, hard link, mount point,
   another user's), live (mapped, held, creator alive, listening, bound),
@@ -40,11 +43,13 @@ Modules, in the order a run uses them:
   parent directory re-opened and its identity compared, the entry re-opened
   without following and its identity, file handle, owner and link count
   re-checked, an flock taken, then unlinkat through the directory fd; dry
-  run is the same path with one guard at the syscall). Entries report the gc entry fields plus `engine` and `bytes`
-  (kvctl/schemas/engine_entry.json).
+  run is the same path with one guard at the syscall). Entries report the
+  gc entry fields plus `engine` and `bytes` (kvctl/schemas/engine_entry.json);
+  metrics.render_engines turns a report into textfile metrics.
 
 Plain gc (cleanup.plan) never calls into this package, so it costs what it
 cost before; the full maps pass runs only when engine state is asked for.
+A run that wants both passes one Facts to both plans: one /proc pass.
 """
 
 from __future__ import annotations
