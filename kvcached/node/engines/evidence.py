@@ -57,7 +57,7 @@ class EngineEvidence:
         return [b.pid for b in self.blind if shared or b.uid == c.uid]
 
 
-def _pid_namespace_gap(proc_root: str) -> str | None:
+def pid_view_gap(proc_root: str) -> str | None:
     """Why this /proc cannot show every process on the node (None: it can).
 
     A procfs shows the processes of the PID namespace it was mounted for, and
@@ -115,7 +115,7 @@ def gather_engine_evidence(facts: Facts, candidates: Sequence[EngineCandidate], 
     listeners = {ident: facts.serving_pids(ident) for ident in sockets & facts.listeners.keys()}
     blind = tuple(Blind(pid, q.uid) for pid, what in sorted(facts.unreadable_pids.items())
                   if what & {"fd", "maps"} and (q := facts.processes.get(pid)) is not None and q.engine_like)
-    gap = None if whole_view else _pid_namespace_gap(root)
+    gap = None if whole_view else pid_view_gap(root)
     if gap is None and facts.errors and not facts.processes:
         gap = f"/proc could not be read ({'; '.join(facts.errors)})"
     root_user = os.geteuid() == 0 if is_root is None else is_root
