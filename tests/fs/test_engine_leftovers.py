@@ -489,3 +489,17 @@ def test_kvcached_segments_named_like_engine_buffers_stay_plain_gcs(layout: Layo
     finally:
         serving.close()
         n.cleanup()
+
+
+@needs_whole_view
+def test_a_directory_swapped_since_the_scan_is_never_acted_in(layout: Layout) -> None:
+    """/dev/shm replaced under its path (a remount, a planted tree) between plan and act: nothing is removed."""
+    n = Node(layout)
+    path = n.file("nccl-Ab3dE9")
+    p = engine_plan(n, [path])
+    os.rename(layout.shm_dir, layout.shm_dir + ".old")
+    os.mkdir(layout.shm_dir)
+    os.rename(layout.shm_dir + ".old/nccl-Ab3dE9", path)  # the very file, now in another directory
+    (e,) = execute_engines(p, dry_run=False).entries
+    assert (e.action, e.note) == (Action.KEPT, f"{layout.shm_dir} replaced since the scan")
+    assert os.path.exists(path)

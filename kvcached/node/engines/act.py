@@ -177,6 +177,9 @@ class _Actor:
         self.progress = progress
         self.entries: list[EngineEntry] = []
         self.timed_out = False
+        # Each directory is opened once per run and its identity checked against the scan's: every act
+        # in it goes through that fd, so a directory swapped under the path later is never acted in.
+        self.dirs: dict[str, int | tuple[Action, str]] = {}
 
     def record(self, c: EngineCandidate, d: EngineDecision, action: Action, note: str = "") -> None:
         e = EngineEntry(c, d, action, note)
@@ -184,31 +187,46 @@ class _Actor:
         if self.progress is not None:
             self.progress(e)
 
+    def parent_fd(self, c: EngineCandidate) -> int | tuple[Action, str]:
+        """The fd of `c`'s directory as the scan saw it, or (action, note) when it cannot be acted in."""
+        got = self.dirs.get(c.parent)
+        if got is None:
+            try:
+                fd = os.open(c.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError as e:
+                got = (Action.FAILED, f"{c.parent}: {e.strerror}")
+            else:
+                pst = os.fstat(fd)
+                if (pst.st_dev, pst.st_ino) != c.parent_ident:
+                    os.close(fd)
+                    got = (Action.KEPT, f"{c.parent} replaced since the scan")
+                else:
+                    got = fd
+            self.dirs[c.parent] = got
+        return got
+
+    def close(self) -> None:
+        for got in self.dirs.values():
+            if isinstance(got, int):
+                os.close(got)
+        self.dirs.clear()
+
     def act(self, c: EngineCandidate, d: EngineDecision) -> None:
         if self.deadline is not None and time.monotonic() > self.deadline:
             self.timed_out = True
             self.record(c, d, Action.KEPT, "time limit reached")
             return
-        try:
-            dir_fd = os.open(c.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            self.record(c, d, Action.FAILED, f"{c.parent}: {e.strerror}")
+        dir_fd = self.parent_fd(c)
+        if not isinstance(dir_fd, int):
+            self.record(c, d, *dir_fd)
             return
-        try:
-            pst = os.fstat(dir_fd)
-            if (pst.st_dev, pst.st_ino) != c.parent_ident:
-                self.record(c, d, Action.KEPT, f"{c.parent} replaced since the scan")
-                return
-            why = self._recheck_socket(dir_fd, c) if c.family.where is Where.RPC else None
-            if why is not None:
-                self.record(c, d, Action.KEPT, why)
-                return
-            if c.family.where is Where.SHM:
-                self._remove_file(dir_fd, c, d)
-            else:
-                self._unlink(dir_fd, c, d)
-        finally:
-            os.close(dir_fd)
+        why = self._recheck_socket(dir_fd, c) if c.family.where is Where.RPC else None
+        if why is not None:
+            self.record(c, d, Action.KEPT, why)
+        elif c.family.where is Where.SHM:
+            self._remove_file(dir_fd, c, d)
+        else:
+            self._unlink(dir_fd, c, d)
 
     def _recheck_socket(self, dir_fd: int, c: EngineCandidate) -> str | None:
         """Why a planned socket node must stay after all (None: it may go)."""
@@ -270,9 +288,12 @@ def execute_engines(p: EnginePlan, *, dry_run: bool, time_limit: float | None = 
     """Act on the plan's stale entries only; everything else is reported as kept."""
     started = time.time()
     actor = _Actor(dry_run, time.monotonic() + time_limit if time_limit else None, progress)
-    for c, d in p.entries():
-        if d.state is State.STALE:
-            actor.act(c, d)
-        else:
-            actor.record(c, d, Action.KEPT)
+    try:
+        for c, d in p.entries():
+            if d.state is State.STALE:
+                actor.act(c, d)
+            else:
+                actor.record(c, d, Action.KEPT)
+    finally:
+        actor.close()
     return EngineReport(dry_run, actor.entries, list(p.errors), started, time.time(), actor.timed_out)
