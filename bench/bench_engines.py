@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/bench_engines.py                    # both (~1-2 min)
     .venv/bin/python bench/bench_engines.py --quick
-    .venv/bin/python bench/bench_engines.py --baseline-rev main  # the tree section 1 compares against
+    .venv/bin/python bench/bench_engines.py --baseline-rev main  # section 1's baseline (default: where
+                                                                 # this branch left main; on main, HEAD~1)
 
 1. Plain gc before/after: `execute(plan(...), dry_run=True)` over bench_gc's
    node (N = 1,000 stale deployments x 8 sockets + N segments), timed in child
@@ -80,8 +81,18 @@ def _child_times(tree: str, base: str, reps: int) -> list[float]:
     return json.loads(r.stdout)
 
 
+def _merge_base() -> str:
+    """Where this branch left main; on main itself (nothing to compare), the commit before HEAD."""
+    def git(*args: str) -> str:
+        r = subprocess.run(["git", "-C", TREE, *args], capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    base = git("merge-base", "main", "HEAD")
+    return "HEAD~1" if not base or base == git("rev-parse", "HEAD") else base
+
+
 def bench_plain(rev: str, quick: bool) -> None:
-    print(f"== 1. plain gc dry run, this tree vs {rev}, 1,000 stale deployments (8,000 sockets) ==")
+    print(f"== 1. plain gc dry run, this tree vs {rev[:12]}, 1,000 stale deployments (8,000 sockets) ==")
     work = tempfile.mkdtemp(prefix="kvbe", dir="/tmp")
     try:
         baseline = os.path.join(work, "baseline")
@@ -99,7 +110,7 @@ def bench_plain(rev: str, quick: bool) -> None:
             for tree, into in (pair if i % 2 else pair[::-1]):
                 into.extend(_child_times(tree, node, reps))
         a, b = statistics.median(ours), statistics.median(theirs)
-        print(f"    {rev:<10} (baseline)       : median {b * 1000:7.1f} ms, best {min(theirs) * 1000:7.1f} ms "
+        print(f"    {rev[:12]:<12} (baseline)     : median {b * 1000:7.1f} ms, best {min(theirs) * 1000:7.1f} ms "
               f"({len(theirs)} runs)")
         print(f"    this tree                 : median {a * 1000:7.1f} ms, best {min(ours) * 1000:7.1f} ms   "
               f"ratio {a / b:5.3f}x median, {min(ours) / min(theirs):5.3f}x best (target <= 1.0, within noise)")
@@ -212,7 +223,8 @@ def bench_engine_pass(quick: bool, files: int, procs: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
-    ap.add_argument("--baseline-rev", default="main", help="the revision section 1 compares against")
+    ap.add_argument("--baseline-rev", default=None,
+                    help="the revision section 1 compares against (default: git merge-base main HEAD)")
     ap.add_argument("--files", type=int, default=1000)
     ap.add_argument("--procs", type=int, default=200)
     ap.add_argument("--only", choices=("plain", "engines"))
@@ -220,7 +232,7 @@ def main() -> None:
     print(f"kvcached engine-pass benchmarks: python {sys.version.split()[0]}, {os.cpu_count()} cpus, "
           f"load {os.getloadavg()[0]:.2f}")
     if args.only in (None, "plain"):
-        bench_plain(args.baseline_rev, args.quick)
+        bench_plain(args.baseline_rev or _merge_base(), args.quick)
     if args.only in (None, "engines"):
         bench_engine_pass(args.quick, args.files, args.procs)
 
