@@ -29,7 +29,9 @@ from vllm.v1.worker.worker_base import WorkerWrapperBase  # noqa: E402
 from kvcached.integration import vllm_patches  # noqa: E402
 from kvcached.runtime.ipc.client import Client  # noqa: E402
 
-both = pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"], indirect=True)
+from .. import conftest  # noqa: E402
+
+both = conftest.both()
 
 
 class FakeQueue:

@@ -30,8 +30,9 @@ from kvcached.node.lease import segment_lease_held
 from kvcached.runtime.harness import Deployment
 from kvcached.runtime.ipc.client import ping
 
+from ..conftest import KVCTL
 from ..waiting import proc_state, wait_for_state
-from .kit import KVCTL, uniq
+from .kit import uniq
 
 DEFAULT_SHAPES = [(1, 1), (2, 2)]
 SLOW_SHAPES = [(2, 1), (4, 2)]

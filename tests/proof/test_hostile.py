@@ -36,7 +36,8 @@ import pytest
 
 from kvcached.node import naming
 
-from .kit import KVCTL, PID
+from ..conftest import KVCTL, REPO
+from .kit import PID
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("runuser"),
@@ -45,7 +46,6 @@ pytestmark = pytest.mark.skipif(
 EXIT_CODES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 130}
 SITE = os.path.join(os.path.dirname(os.path.dirname(KVCTL)), "lib",
                     f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCHEMAS = os.path.join(REPO, "kvctl", "schemas")
 PREFIX = f"kvh{PID}"
 CASES_RUN: list[str] = []

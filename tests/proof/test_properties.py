@@ -65,8 +65,9 @@ from kvcached.node.layout import Layout
 from kvcached.node.lease import SegmentLease
 from kvcached.node.segment import create_segment
 
+from ..conftest import KVCTL
 from ..waiting import wait_for_state
-from .kit import KVCTL, Helper, make_root
+from .kit import Helper, make_root
 
 SOAK = os.environ.get("KVCACHED_SOAK") == "1"
 EXAMPLES = int(os.environ.get("KVCACHED_SOAK_EXAMPLES", "10000")) if SOAK else int(
