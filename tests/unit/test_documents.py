@@ -37,7 +37,7 @@ _PATH_CHARS = r"[\w.\-/]"
 # A relative path that ends in .md, or any path under docs/. The look-behind keeps absolute
 # paths (/usr/share/doc/x/README.md) and the tail of longer paths out.
 _MD = re.compile(rf"(?<![\w./\-])(?!/){_PATH_CHARS}*?[\w\-]+\.md(?![\w\-])")
-_DOCS = re.compile(rf"(?<![\w./\-])docs/[\w\-][\w.\-]*(?:/[\w.\-]+)*")
+_DOCS = re.compile(r"(?<![\w./\-])docs/[\w\-][\w.\-]*(?:/[\w.\-]+)*")
 _SECTION = re.compile(r"(?<![\w./\-])(?!/)([\w.\-/]*[\w\-]+\.md)`?\s*§\s*(\d+)(?:\s*[-–]\s*(\d+))?")
 _HEADING = re.compile(r"^#{1,6}\s+(\d+)\.\s", re.MULTILINE)
 
