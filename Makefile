@@ -44,5 +44,10 @@ bench: $(VENV)/.vllm
 completions: $(VENV)/.base
 	$(PY) scripts/gen_completions.py
 
+# Build outputs, and nothing else: the venv, setuptools' build tree and metadata, and the
+# compiled extension (kvcached/runtime/_kvpages*.so; every .so under kvcached/ is one, an
+# older build's kvcached/_kvpages*.so included). Tool caches (.pytest_cache, .mypy_cache,
+# .ruff_cache, .hypothesis) are not build outputs and stay.
 clean:
-	rm -rf $(VENV) build *.egg-info kvcached/*.so
+	rm -rf $(VENV) build *.egg-info
+	find kvcached -name '*.so' -type f -delete

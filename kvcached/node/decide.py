@@ -1,4 +1,4 @@
-"""The one decision function (DESIGN.md §3): (candidate, facts, policy, now) → (state, reason).
+"""The one decision function (docs/CLEANER.md §3): (candidate, facts, policy, now) → (state, reason).
 
 Pure: it reads the candidate's recorded observations and the facts of one
 /proc pass, and touches nothing. Every caller (runtime start-up, the engine
@@ -278,7 +278,7 @@ _RAISED_REASON = {
 
 
 def settle(roots: Iterable[Candidate], decisions: dict[str, Decision]) -> None:
-    """Let each deployment's strongest evidence keep its segment and directories (DESIGN.md §3).
+    """Let each deployment's strongest evidence keep its segment and directories (docs/CLEANER.md §3).
 
     A deployment is one thing: while any socket of it is bound, or any entry
     is held, leased or named by a live process, its segment and directories are

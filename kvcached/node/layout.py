@@ -1,4 +1,4 @@
-"""Every path of a kvcached node, from one root, in both directions (LAYOUT.md §1-3)."""
+"""Every path of a kvcached node, from one root, in both directions (docs/NODE.md §1-3)."""
 
 from __future__ import annotations
 

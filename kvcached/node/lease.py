@@ -1,4 +1,4 @@
-"""Leases (DESIGN.md §4): how our processes prove they are alive without a heartbeat.
+"""Leases (docs/CLEANER.md §4): how our processes prove they are alive without a heartbeat.
 
 - Segment lease: an open-file-description read lock on one byte far past the
   24 data bytes, held by the owning engine for its life. OFD locks belong to the

@@ -1,4 +1,4 @@
-"""The 24-byte limit segment of LAYOUT.md §2, with upstream's flock data locks."""
+"""The 24-byte limit segment of docs/NODE.md §2, with upstream's flock data locks."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Two tools, both passive (a listener never sees either):
   the socket type: no socket bound to the inode gives ECONNREFUSED, a stream
   listener (ours or upstream's) gives EPROTOTYPE and no connection is made, so
   nothing reaches the listener's accept queue. A bare connect-and-close, by
-  contrast, kills upstream's listener thread (LAYOUT.md §3).
+  contrast, kills upstream's listener thread (docs/NODE.md §3).
 - `listening_sockets()`: sock_diag (NETLINK_SOCK_DIAG) dumps of the listening
   Unix sockets of a network namespace with `UNIX_DIAG_VFS`, the device and
   inode of the file each one is bound to. Matching those against a node's

@@ -24,6 +24,7 @@ import pytest
 from kvcached.node.segment import create_segment, write_segment
 
 from ..fs.helpers import backdate, stale_socket
+from ..waiting import wait_for_state
 from .conftest import KVCTL, REPO, kvctl
 from .test_commands import COMMANDS
 
@@ -50,7 +51,7 @@ def on_pty(args: list[str], *, cols: int = 80, rows: int = 40, keys: bytes = b""
                 chunk = b""
             out += chunk
         if not sent and key_after.encode() in out:
-            time.sleep(0.2)
+            wait_for_state(pid, "S")  # asleep, reading its terminal: what we type now is read
             os.write(fd, keys)
             sent = True
         done, st = os.waitpid(pid, os.WNOHANG)

@@ -40,7 +40,7 @@ def backdate(path: str, seconds: float = 3600) -> None:
 # Upstream's serial listener: one thread per rank, 4-byte big-endian framed requests. Its
 # error path replies to the peer inside the exception handler; a peer that connected and
 # closed without a request makes that reply raise EPIPE there, nothing catches it, and
-# the thread dies (LAYOUT.md §3). The node stays; later clients queue up unanswered.
+# the thread dies (docs/NODE.md §3). The node stays; later clients queue up unanswered.
 UPSTREAM_LISTENER = textwrap.dedent(r"""
     import json, struct
 
@@ -73,7 +73,7 @@ UPSTREAM_LISTENER = textwrap.dedent(r"""
 """)
 
 UPSTREAM_RUNTIME = UPSTREAM_LISTENER + textwrap.dedent(r"""
-    # A stand-in for upstream kvcached's runtime, as strict as the real one (STYLE.md §12):
+    # A stand-in for upstream kvcached's runtime, as strict as the real one (docs/CONTRIBUTING.md §12):
     #
     # - The IPC name is set through os.environ in Python, as an offline-inference
     #   launcher does: it never shows in /proc/<pid>/environ.

@@ -33,13 +33,14 @@ from kvcached.integration.vllm.owner_cleanup import OWNER_ATTR  # noqa: E402
 from kvcached.node.layout import Layout  # noqa: E402
 from kvcached.runtime.ipc.listener import WorkerListener  # noqa: E402
 
+from .. import conftest  # noqa: E402
 from ..waiting import wait_for  # noqa: E402
 from . import standins  # noqa: E402
 from .serves import gone  # noqa: E402
 from .standins import Spec, dead_node, read_pid  # noqa: E402
 from .vllm_fakes import ServeConfig  # noqa: E402
 
-both = pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"], indirect=True)
+both = conftest.both()
 
 
 class Serve:

@@ -15,9 +15,7 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,15 +27,16 @@ from kvcached.node.gclock import LOCK_NAME  # noqa: E402
 from kvcached.node.layout import Layout  # noqa: E402
 from kvcached.node.naming import dp_rank_name  # noqa: E402
 
+from .. import conftest  # noqa: E402
+from ..conftest import KVCTL  # noqa: E402
 from . import serves  # noqa: E402
 from .serves import Serve, Shape, gone  # noqa: E402
 from .vllm_fakes import KV_BYTES  # noqa: E402
 
-KVCTL = str(Path(sys.executable).with_name("kvctl"))
 LIMIT = 2 << 30
 SERVE_ENV = {"KVCACHED_LIMIT": "2G", "KVCACHED_PUBLISH_INTERVAL_S": "0.05"}
 
-both = pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+both = conftest.both(indirect=False)
 
 
 def kvctl(layout: Layout, *args: str) -> tuple[int, Any]:

@@ -1,4 +1,4 @@
-"""`decide` as a table: every state and reason, no filesystem (STYLE.md §2)."""
+"""`decide` as a table: every state and reason, no filesystem (docs/CONTRIBUTING.md §2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Naming and layout, both directions (LAYOUT.md §1-3)."""
+"""Naming and layout, both directions (docs/NODE.md §1-3)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_name_from_env_explicit_and_default() -> None:
 
 
 def test_hash_is_upstreams() -> None:
-    # The example from LAYOUT.md §3.
+    # The example from docs/NODE.md §3.
     assert naming.socket_dir_name("kvcached_vLLM_12345") == "kvcached-tp-kvcached_vLLM_12345-9bc83684"
 
 
