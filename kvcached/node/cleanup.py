@@ -16,19 +16,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .decide import Decision, Policy, State, decide_tree, settle
-from .enums import StrEnum
+from .enums import Action
 from .facts import Facts, gather_facts
 from .ident import Unlinked, fd_handle, same_file, unlink_if_same
 from .layout import Layout
 from .lease import ofd_lock
 from .scan import Candidate, Kind, scan
-
-
-class Action(StrEnum):
-    REMOVED = "removed"
-    WOULD_REMOVE = "would_remove"
-    KEPT = "kept"
-    FAILED = "failed"
 
 
 class Entry(NamedTuple):

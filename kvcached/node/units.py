@@ -6,11 +6,14 @@ import math
 import re
 from decimal import Decimal, InvalidOperation
 
+from .enums import Category
 from .errors import KvcachedError
 
 
 class BadValue(KvcachedError, ValueError):
     """A size, duration or percentage that does not parse or is out of range."""
+
+    category = Category.BAD_INPUT
 
 
 # Binary multiples throughout, like upstream kvctl and `free -h`: `2G` and `2GiB` are both 2 * 2**30.

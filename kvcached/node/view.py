@@ -14,7 +14,7 @@ from typing import Any
 
 from .cleanup import Action, Entry, Plan
 from .decide import State
-from .enums import StrEnum
+from .enums import Category, StrEnum
 from .errors import KvcachedError, SegmentBusy
 from .facts import START_SLACK, Facts, ProcessInfo
 from .layout import Layout
@@ -25,6 +25,8 @@ from .segment import SegmentInfo, read_segment
 
 class ProcessNotFound(KvcachedError):
     """`--pid` names no process."""
+
+    category = Category.NOT_FOUND
 
 
 class NamespaceUnreachable(KvcachedError):
