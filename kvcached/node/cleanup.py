@@ -79,7 +79,7 @@ class Plan:
         return [(c, self.decisions[c.path]) for root in self.roots for c in root.walk()]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Report:
     dry_run: bool
     entries: list[Entry]
@@ -336,7 +336,8 @@ def execute(
         if seg is not None and seg.path not in gone and p.decisions[seg.path].state is State.STALE:
             note = f"kept: it names segment {seg.path}, which remains"
         actor.act_root_dir(p.layout.tmp_dir, c, p.decisions, note)
-    return Report(dry_run, actor.entries, list(p.errors), started, time.time(), actor.timed_out)
+    return Report(dry_run=dry_run, entries=actor.entries, errors=list(p.errors), started=started,
+                  finished=time.time(), timed_out=actor.timed_out)
 
 
 def run_cleanup(
