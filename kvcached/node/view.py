@@ -228,8 +228,8 @@ class NodeView:
         return [(d, p) for d, p in self.orphans if d.engine_gone and p.role.role is Role.WORKER]
 
     def to_dict(self) -> dict[str, Any]:
+        """The node as `kvctl inspect --json` shows it (kvctl/documents.py adds the schema name)."""
         return {
-            "schema": "kvctl.inspect/1",
             "root": self.layout.root,
             "deployments": [d.to_dict() for d in self.deployments],
             "serves": [{"name": name, "state": str(_summary_state([e for d in ranks for e in d.entries],
