@@ -15,7 +15,6 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
@@ -79,15 +78,12 @@ class Globals:
 
         return Layout(self.root)
 
-    def plan(self, names: Sequence[str] = (), grace: Optional[float] = None, kinds: Sequence["KindChoice"] = (),
+    def plan(self, names: Sequence[str] = (), grace: Optional[float] = None,
              layout: Optional["Layout"] = None) -> "Plan":
-        """The plan of `kvcached.node` every command shows or acts on."""
-        from kvcached.node.decide import DEFAULT_GRACE
+        """The plan of `kvcached.node` every command shows (grace None: the default grace age)."""
         from kvcached.node.gcrun import make_plan
-        from kvcached.node.scan import Kind
 
-        return make_plan(layout or self.layout(), names, DEFAULT_GRACE if grace is None else grace,
-                         [Kind(k.value) for k in kinds])
+        return make_plan(layout or self.layout(), names, grace)
 
     def view(self, names: Sequence[str] = (), grace: Optional[float] = None, *, namespaces: bool = False,
              layout: Optional["Layout"] = None) -> "NodeView":
@@ -202,14 +198,6 @@ def _interval(raw: str) -> float:
 
 
 parse_duration, parse_size, parse_percent, parse_interval = map(parser, (_duration, _size, _percent, _interval))
-
-
-class KindChoice(str, Enum):
-    """`--kind`: what gc removes."""
-
-    segment = "segment"
-    socket = "socket"
-    directory = "directory"
 
 
 # What shell completion offers for a value, by its metavar (scripts/gen_completions.py writes it into

@@ -4,14 +4,13 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from kvcached.node.enums import Action
+from kvcached.node.enums import Action, Kind
 
 from ..documents import gc_document
 from ..exitcodes import exit_of
 from ..params import (
     Globals,
     JsonGc,
-    KindChoice,
     KvctlCommand,
     MinAgeOpt,
     globals_of,
@@ -58,10 +57,10 @@ def _run(opts: Any, out: Out, run: Globals, json_out: bool) -> Any:
 
 def _orphan_lines(out: Out, run: Globals, result: Any, min_age: float) -> None:
     """What happened to orphans killed, or how to kill the ones found."""
-    hint = run.hinter(min_age)
     for k in result.killed:
         out.line(f"orphan PID {k.pid}: {k.outcome}" + (f" ({k.detail})" if k.detail else ""))
     if result.orphans and not result.killed:
+        hint = run.hinter(min_age)
         for d, o in result.orphans:
             how = f"{hint('gc --kill-orphans')} terminates it" if o.pid in result.killable else "not killable by kvctl"
             out.line(("hint: ", "yellow"), f"orphaned {o.role.role} PID {o.pid} of {d.name}: {o.orphan_reason}; {how}")
@@ -82,7 +81,7 @@ def gc(
     ] = False,
     min_age: MinAgeOpt = 60.0,
     kinds: Annotated[
-        Optional[list[KindChoice]],
+        Optional[list[Kind]],
         typer.Option("--kind", metavar="KIND", help="Only segment, socket (with their directories) or directory."),
     ] = None,
     time_limit: Annotated[
@@ -105,12 +104,11 @@ def gc(
 ) -> int:
     """Remove stale kvcached state: only what every signal proves dead and older than --min-age."""
     from kvcached.node.gcrun import GcOptions
-    from kvcached.node.scan import Kind
 
     run = globals_of(ctx)
     out = Out()
     opts = GcOptions(layout=run.layout(), names=tuple(names or ()), grace=min_age,
-                     kinds=tuple(Kind(k.value) for k in kinds or ()), dry_run=dry_run, yes=yes,
+                     kinds=tuple(kinds or ()), dry_run=dry_run, yes=yes,
                      time_limit=time_limit or None, kill_orphans=kill_orphans, prometheus=prometheus)
     result = _run(opts, out, run, json_out)
     code = exit_of(result.outcome)
