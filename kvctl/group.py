@@ -133,15 +133,15 @@ def global_options(
         run.root_arg = root
     if ctx.invoked_subcommand is not None:
         return 0  # the command checks --root once its own options (which may repeat it) are parsed
-    run.resolve()
-    if interactive():
-        # Upstream's bare `kvctl` opened its shell; off a terminal that would read
-        # stdin as commands, so there it prints help instead.
-        from .commands.shell import run_shell
+    # Upstream's bare `kvctl` opened its shell; off a terminal that would read
+    # stdin as commands, so there it prints help instead.
+    if not interactive():
+        typer.echo(ctx.get_help())
+        return 0
+    from .commands.shell import run_shell
 
-        return run_shell(ctx)
-    typer.echo(ctx.get_help())
-    return 0
+    run.resolve()
+    return run_shell(ctx)
 
 
 def build() -> typer.Typer:

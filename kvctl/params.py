@@ -197,7 +197,11 @@ def _interval(raw: str) -> float:
     return parse_interval(raw)
 
 
-parse_duration, parse_size, parse_percent, parse_interval = map(parser, (_duration, _size, _percent, _interval))
+# kvcached.node.units is imported by the parse, not here: most runs parse no value.
+parse_duration = parser(_duration)
+parse_size = parser(_size)
+parse_percent = parser(_percent)
+parse_interval = parser(_interval)
 
 
 # What shell completion offers for a value, by its metavar (scripts/gen_completions.py writes it into
