@@ -13,21 +13,33 @@ on machines without a GPU. Environment switches:
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
+from types import ModuleType
 
 from setuptools import Extension, setup
 
 HERE = Path(__file__).resolve().parent
 
 
-def _truthy(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+def _settings() -> ModuleType:
+    """kvcached/settings.py, loaded by its path (the package is not installed yet; the file is stdlib only)."""
+    spec = importlib.util.spec_from_file_location("_kvcached_build_settings", HERE / "kvcached" / "settings.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+SETTINGS = _settings()
 
 
 def _cuda_include_dir() -> str | None:
     """Return the first directory holding cuda.h, or None."""
-    if _truthy("KVCACHED_NO_CUDA"):
+    if SETTINGS.NO_CUDA.get():
         return None
     roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
     for root in roots:
@@ -53,8 +65,12 @@ def _extension() -> Extension:
         # dlopen lives in libc from glibc 2.34; older systems need libdl.
         libraries=["dl"],
         language="c++",
-        optional=not _truthy("KVCACHED_REQUIRE_EXT"),
+        optional=not SETTINGS.REQUIRE_EXT.get(),  # strict: a bad value fails the build (settings.py says why)
     )
 
 
-setup(ext_modules=[_extension()])
+try:
+    EXTENSIONS = [_extension()]
+except SETTINGS.SettingError as e:
+    sys.exit(f"setup.py: {e}")
+setup(ext_modules=EXTENSIONS)

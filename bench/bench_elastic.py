@@ -56,7 +56,7 @@ def _pools(num_blocks: int, seg: str) -> tuple[Any, Any, Any]:
     """(vLLM's pool, the elastic pool, its KV buffer) over `num_blocks` blocks of one layer."""
     from vllm.v1.core.block_pool import BlockPool
 
-    from kvcached.integration.vllm_blockpool import ElasticBlockPool, ElasticSetup
+    from kvcached.integration.vllm.blockpool import ElasticBlockPool, ElasticSetup
     from kvcached.runtime.kvbuffer import KVBuffer, LocalLink
     from kvcached.runtime.kvplan import Footprint
 
@@ -189,12 +189,14 @@ def bench_trace(seed: int = 3) -> float:
     import torch
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
-    from kvcached.integration import vllm_elastic, vllm_patches
+    from kvcached.integration.patchkit import PatchStatus
+    from kvcached.integration.vllm import elastic_kv
+    from kvcached.integration.vllm.patches import REGISTRY
     from kvcached.node.segment import create_segment
     from kvcached.runtime import kvbuffer
     from tests.integration import elastic_support as es
 
-    assert vllm_patches.apply(("elastic-kv",)) == {"elastic-kv": True}
+    assert REGISTRY.apply(("elastic-kv",))["elastic-kv"] is PatchStatus.APPLIED
     rnd = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp:
         seg = os.path.join(tmp, "seg")
@@ -202,7 +204,7 @@ def bench_trace(seed: int = 3) -> float:
         vc = es.vllm_config(tmp, prefix_caching=False, max_num_seqs=64, max_batched=2048)
         groups = [KVCacheGroupSpec(["model.layers.0.attn"], _spec())]
         cfg = es.kv_cache_config(vc, 4096, groups=groups)
-        vllm_elastic.prepare_engine([cfg], "local", segment_path=seg)
+        elastic_kv.prepare_engine([cfg], "local", segment_path=seg)
         kv = es.allocate(cfg, vc)
         buf = kvbuffer.local_buffer()
         assert buf is not None
@@ -229,8 +231,8 @@ def bench_trace(seed: int = 3) -> float:
                 sum_mapped += mapped
                 steps += 1
         driver.run()
-    vllm_patches.revert()
-    vllm_elastic.forget_engine()
+    REGISTRY.revert()
+    elastic_kv.forget_engine()
     kvbuffer.set_local_buffer(None)
     del torch
     ratio = peak_mapped / peak_used

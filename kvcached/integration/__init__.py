@@ -1,44 +1,33 @@
-"""Engine integrations (vLLM first). Runtime layer: loaded only inside engine processes.
+"""Engine integrations (vLLM now). Runtime layer: loaded only inside engine processes, and by `detect`.
 
-Importing this package imports no engine: `vllm_plugin.register` is what vLLM
-calls, and `vllm_patches.detect()` imports vLLM only when it is called.
+Importing this package, or any of its modules but `vllm.blockpool` (a subclass
+of vLLM's BlockPool), imports neither an engine nor torch: the patches import
+vLLM when they are applied or probed.
+
+- `patchkit`: the kit every engine's patches are made with (Patch, Registry, wrap).
+- `state`: what one process shares between them (its engines, its worker listener).
+- `engine_state`, `engine_owner`, `limits`: engine-agnostic halves (what an
+  engine holds; the owner's cleanup duty; the limit an engine claims with).
+- `vllm/`: vLLM's plugin, its patches (one module each), the elastic block
+  pool, and what `detect` reports about vLLM.
+- `detect`: `python -m kvcached.integration.detect --json` (kvcached.detect/1), read by `kvctl doctor`.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
+from .. import settings
 from ..node.layout import Layout
-
-ENV_ROOT = "KVCACHED_ROOT"
-PLUGIN_NAME = "kvcached"  # the entry point's name in group vllm.general_plugins
-ENV_VLLM_PLUGINS = "VLLM_PLUGINS"
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """True when kvcached is switched on: upstream's `ENABLE_KVCACHED=true`, our `KVCACHED_ENABLE=1`,
-    or `KVCACHED_ELASTIC=1` (elastic KV memory needs the other patches: the worker listener)."""
-    env = os.environ if environ is None else environ
-    upstream = env.get("ENABLE_KVCACHED", "").strip().lower() in ("true", "1", "yes", "on")
-    ours = env.get("KVCACHED_ENABLE", "").strip().lower() in ("1", "true", "yes", "on")
-    elastic = env.get("KVCACHED_ELASTIC", "").strip().lower() in ("1", "true", "yes", "on")
-    return upstream or ours or elastic
-
-
-def plugin_allowed(environ: Mapping[str, str] | None = None) -> bool:
-    """False when `VLLM_PLUGINS` is set and does not list `kvcached`: vLLM then never calls our plugin.
-
-    Parsed as vLLM 0.33 parses it (`envs.VLLM_PLUGINS`): split on `,`, names
-    compared exactly, so `VLLM_PLUGINS=""` allows no plugin at all.
-    """
-    env = os.environ if environ is None else environ
-    if ENV_VLLM_PLUGINS not in env:
-        return True
-    return PLUGIN_NAME in env[ENV_VLLM_PLUGINS].split(",")
+    """True when kvcached is switched on: upstream's `ENABLE_KVCACHED`, our `KVCACHED_ENABLE`, or
+    `KVCACHED_ELASTIC` (elastic KV memory needs the other patches: the worker listener)."""
+    return any(s.get(environ) for s in (settings.ENABLE_KVCACHED, settings.ENABLE, settings.ELASTIC))
 
 
 def layout_from_env(environ: Mapping[str, str] | None = None) -> Layout:
-    """The node layout engine processes use: `/`, or `KVCACHED_ROOT` (tests, chroots)."""
-    env = os.environ if environ is None else environ
-    return Layout(root=env.get(ENV_ROOT) or "/")
+    """The node layout engine processes use: `/`, or `KVCACHED_ROOT` (tests, chroots); raises SettingError
+    for a relative `KVCACHED_ROOT` (settings.ROOT says why it is strict)."""
+    return Layout(root=settings.ROOT.get(environ))

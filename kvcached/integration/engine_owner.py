@@ -26,24 +26,24 @@ Nothing here raises into the engine's shutdown: failures are logged.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
 from collections.abc import Sequence
 from typing import Protocol
 
+from .. import settings
 from ..node.layout import Layout
 from ..node.owner import OwnerResult, SegmentCleanup, WorkerSocketCleanup
 
 log = logging.getLogger("kvcached.integration.engine_owner")
 
-# After the original shutdown has sent SIGKILL, the exit is normally reaped in
-# milliseconds; an engine in uninterruptible sleep may take longer. Past this
-# the exit is unconfirmed and everything is kept (the retry thread goes on).
-EXIT_WAIT_S = float(os.environ.get("KVCACHED_OWNER_EXIT_WAIT_S", "2.0"))
-# How long the background retry keeps trying after shutdown, and how often.
-RETRY_WINDOW_S = float(os.environ.get("KVCACHED_OWNER_RETRY_S", "60"))
+# How often the owner retries what is still served. The two windows are
+# settings (read at each shutdown): OWNER_EXIT_WAIT_S, how long it waits for
+# confirmed engine exits after the original shutdown sent SIGKILL (normally
+# reaped in milliseconds; an engine in uninterruptible sleep may take longer,
+# and past it the exit is unconfirmed and everything is kept), and
+# OWNER_RETRY_S, how long the background retry goes on after shutdown.
 RETRY_INTERVAL_S = 0.2
 
 
@@ -120,7 +120,7 @@ class EngineOwner:
         that exits right after its shutdown (an API server) takes its background
         retry with it.
         """
-        wait = EXIT_WAIT_S if wait is None else wait
+        wait = settings.OWNER_EXIT_WAIT_S.get() if wait is None else wait
         deadline = time.monotonic() + wait
         try:
             with self._lock:
@@ -178,7 +178,7 @@ def _retry_loop(ref: weakref.ReferenceType[EngineOwner]) -> None:
     # A worker that outlives its engine (its own teardown is slow, or it is
     # stopped) keeps serving its socket; once it exits, the node is unserved
     # and this removes it. Daemon: it never holds the owner's exit up.
-    deadline = time.monotonic() + RETRY_WINDOW_S
+    deadline = time.monotonic() + settings.OWNER_RETRY_S.get()
     while time.monotonic() < deadline:
         owner = ref()
         if owner is None:

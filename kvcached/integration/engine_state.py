@@ -1,9 +1,9 @@
-"""What one engine process holds of its deployment, independent of vLLM's classes.
+"""What one engine process holds of its deployment, independent of any engine's classes.
 
 The engine (vLLM's EngineCore, in its own process or, with
 `VLLM_ENABLE_V1_MULTIPROCESSING=0`, inside the caller) claims the deployment's
-limit segment once its executor is up (LAYOUT.md §2: the engine creates it,
-never a worker), holds the segment's lease for its life (DESIGN.md §4),
+limit segment once its executor is up (docs/NODE.md §2: the engine creates it,
+never a worker), holds the segment's lease for its life (docs/CLEANER.md §4),
 publishes the KV cache memory it holds as used/prealloc, and at TP=1 serves
 `w0.sock` itself, since the model runs in this process (upstream does the
 same). Its executor's shutdown gives everything back: the socket first, then
@@ -16,46 +16,24 @@ segment and limit this process claimed. Nothing here raises into the engine.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import settings
 from ..node.layout import Layout
 from ..node.lease import SegmentLease
-from ..node.naming import dp_rank_name, ipc_name_from_env
 from ..node.owner import SegmentCleanup
 from ..node.segment import SegmentInfo, write_segment
+from . import state
 from .limits import Limit
 
 log = logging.getLogger("kvcached.integration.engine")
 
-# Set by the engine owner (the patched CoreEngineProcManager) for the engines of
-# a serve with data parallel size > 1: vLLM resets a non-MoE DP rank's config to
-# DP = 1 before its executor starts, so the config alone cannot tell rank 0 of
-# a DP serve from a serve without DP.
-ENV_DP = "KVCACHED_DP_SERVE"
-# How often (seconds) the engine re-reads vLLM's KV cache usage and publishes used/prealloc.
-ENV_PUBLISH_INTERVAL = "KVCACHED_PUBLISH_INTERVAL_S"
 # Upstream readers hold the segment's flock for microseconds; retry that long.
 _REMOVE_TRIES = 20
-
-
-def engine_name(parallel_config: Any, environ: Mapping[str, str] | None = None) -> str:
-    """The IPC name of this engine and its workers: the serve's name, plus `_dp<rank>` in a DP serve."""
-    env = os.environ if environ is None else environ
-    base = ipc_name_from_env(env)
-    size = getattr(parallel_config, "data_parallel_size", 1)
-    index = getattr(parallel_config, "data_parallel_index", None)
-    if not isinstance(index, int):
-        index = getattr(parallel_config, "data_parallel_rank", 0)
-    size = size if isinstance(size, int) else 1
-    index = index if isinstance(index, int) else 0
-    if env.get(ENV_DP) == "1" or size > 1 or index > 0:
-        return dp_rank_name(base, index)
-    return base
 
 
 @dataclass(frozen=True)
@@ -117,6 +95,7 @@ class EngineState:
             log.warning("kvcached: engine %s serves no worker socket: %s", self.name, e)
             return None
         self.listener = listener
+        state.set_worker_listener(listener)  # the runtime registers its commands on it (current_worker_listener)
         log.info("kvcached: engine %s serves %s", self.name, listener.path)
         return listener
 
@@ -139,10 +118,7 @@ class EngineState:
             self._thread.start()
 
     def _follow(self) -> None:
-        try:
-            interval = max(0.01, float(os.environ.get(ENV_PUBLISH_INTERVAL, "1.0")))
-        except ValueError:
-            interval = 1.0
+        interval = settings.PUBLISH_INTERVAL_S.get()
         while not self._stop.wait(interval):
             self.publish_usage()
 
@@ -217,28 +193,22 @@ class EngineState:
             listener.stop()
         except Exception as e:
             log.warning("kvcached: engine %s could not stop its worker socket: %s", self.name, e)
+        state.clear_worker_listener(listener)
 
 
-_engines: list[EngineState] = []
-_engines_lock = threading.Lock()
+def register(engine: EngineState) -> None:
+    """Record `engine` as an engine of this process (several in-process engines may come and go)."""
+    state.add_engine(engine)
 
 
-def register(state: EngineState) -> None:
-    """Record `state` as an engine of this process (several in-process engines may come and go)."""
-    with _engines_lock:
-        _engines.append(state)
-
-
-def _forget(state: EngineState) -> None:
-    with _engines_lock:
-        if state in _engines:
-            _engines.remove(state)
+def _forget(engine: EngineState) -> None:
+    state.remove_engine(engine)
 
 
 def current_engine() -> EngineState | None:
     """The engine of this process started last and not yet shut down, if any."""
-    with _engines_lock:
-        return _engines[-1] if _engines else None
+    engine = state.latest_engine()
+    return engine if isinstance(engine, EngineState) else None
 
 
 def claimed_segment() -> ClaimedSegment | None:

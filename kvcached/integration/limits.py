@@ -5,18 +5,20 @@
 - unset: vLLM's own share, `--gpu-memory-utilization` (default 0.9), of one
   device's total memory: the most this engine may take on its GPU.
 
-No vLLM or torch import here: the caller passes the device's memory in.
+A `KVCACHED_LIMIT` that does not parse is warned about once and the default
+used (settings.LIMIT): the default is the share vLLM itself would take without
+kvcached. No vLLM or torch import here: the caller passes the device's memory in.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..node.units import BadValue, format_size, parse_percent, parse_size
+from .. import settings
+from ..node.units import BadValue, format_size
 
-ENV_LIMIT = "KVCACHED_LIMIT"
+ENV_LIMIT = settings.LIMIT.name
 
 
 @dataclass(frozen=True)
@@ -29,21 +31,21 @@ class Limit:
 
 def resolve_limit(device_total: Callable[[], int | None], utilization: float,
                   environ: Mapping[str, str] | None = None) -> Limit:
-    """The limit this engine claims with; raises BadValue for an unreadable `KVCACHED_LIMIT`.
+    """The limit this engine claims with; raises BadValue when a share of device memory is wanted but unknown.
 
     `device_total` is called only when a share of device memory is wanted, and
     may return None when the memory is unknown (then a share cannot be used).
     """
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_LIMIT, "").strip()
-    if raw and not raw.endswith("%"):
-        return Limit(parse_size(raw), f"{ENV_LIMIT}={raw}")
-    share = parse_percent(raw) / 100 if raw else utilization
+    asked = settings.LIMIT.get(environ)
+    raw = (settings.LIMIT.raw(environ) or "").strip()
+    if asked is not None and asked.bytes is not None:
+        return Limit(asked.bytes, f"{ENV_LIMIT}={raw}")
+    share = asked.share if asked is not None and asked.share is not None else utilization
     if not 0 < share <= 1:
         raise BadValue(f"gpu_memory_utilization {utilization!r} is not a share in (0, 1]")
     total = device_total()
     if total is None or total <= 0:
         raise BadValue(f"cannot take {share:.0%} of device memory: the device's memory is unknown; "
                        f"set {ENV_LIMIT} to a size, e.g. {ENV_LIMIT}=40G")
-    why = f"{ENV_LIMIT}={raw}" if raw else "gpu_memory_utilization"
+    why = f"{ENV_LIMIT}={raw}" if asked is not None else "gpu_memory_utilization"
     return Limit(int(total * share), f"{share:.0%} of {format_size(total)} device memory ({why})")

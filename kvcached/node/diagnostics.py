@@ -8,7 +8,6 @@ cannot take down or pollute the caller.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import stat
@@ -19,9 +18,12 @@ from dataclasses import KW_ONLY, dataclass, field
 from functools import cached_property
 from typing import Any
 
+from .. import settings
 from . import naming
 from .cleanup import Plan, plan
 from .decide import Policy, State
+from .detectdoc import RAY_INSTALLED, DetectDocument, DocumentError, EngineSection, PatchReport, PatchStatus
+from .detectdoc import parse as parse_detect
 from .enums import StrEnum
 from .layout import SUN_PATH_MAX, Layout
 from .mounts import mount_of
@@ -77,6 +79,11 @@ class Context:
     @cached_property
     def view(self) -> NodeView:
         return build_view(self.plan, read_segments=False)
+
+    @cached_property
+    def engines(self) -> DetectDocument:
+        """What the integrations of `python` report (run once per run); raises DetectFailed."""
+        return detect_engines(self)
 
 
 @dataclass(frozen=True)
@@ -260,7 +267,7 @@ def _longest_socket(layout: Layout, name: str) -> str:
 
 def check_ipc_name(ctx: Context) -> list[CheckResult]:
     g = Group.CONFIGURATION
-    raw = ctx.environ.get(naming.ENV_NAME, "")
+    raw = settings.IPC_NAME.raw(ctx.environ) or ""
     if not raw:
         return _r("ipc-name", g, Status.OK, f"{naming.ENV_NAME} unset: deployments use kvcached_<Tag>_<PGID>")
     clean = naming.sanitize(raw)
@@ -427,61 +434,57 @@ def check_namespaces(ctx: Context) -> list[CheckResult]:
 
 # serving engine ---------------------------------------------------------------
 
-_DETECT_MARK = "KVCTL-DETECT "
-_DETECT_PROBE = (
-    "import json\n"
-    "from kvcached.integration.vllm_patches import detect\n"
-    f"print({_DETECT_MARK!r} + json.dumps(detect().to_dict(), default=str), flush=True)\n"
-)
+# The integrations' one entry for doctor (docs/VLLM.md, "kvctl doctor"): it prints kvcached.detect/1.
+DETECT_ARGV = ("-m", "kvcached.integration.detect", "--json")
 
 
-def _items(value: Any) -> list[tuple[str, Any]]:
-    if isinstance(value, Mapping):
-        return [(str(k), v) for k, v in value.items()]
-    if isinstance(value, (list, tuple)):
-        return [(str(v.get("name", i)) if isinstance(v, Mapping) else str(i), v) for i, v in enumerate(value)]
-    return []
+class DetectFailed(Exception):
+    """The integrations' detect gave no usable document: the doctor line to show instead."""
+
+    def __init__(self, status: Status, summary: str, fix: str | None = None, **details: Any) -> None:
+        super().__init__(summary)
+        self.status, self.summary, self.fix, self.details = status, summary, fix, details
 
 
-def _flag(value: Any, keys: tuple[str, ...]) -> tuple[bool | None, str]:
-    if isinstance(value, bool):
-        return value, ""
-    if isinstance(value, Mapping):
-        detail = str(value.get("detail") or value.get("reason") or value.get("description") or "")
-        for k in keys:
-            if isinstance(value.get(k), bool):
-                return value[k], detail
-        return None, detail
-    return None, "" if value is None else str(value)
+def detect_engines(ctx: Context) -> DetectDocument:
+    """Run `python -m kvcached.integration.detect --json` in the serve's interpreter; its document, read strictly.
 
-
-def _has_integration() -> bool:
-    # find_spec of the submodule would execute kvcached.integration/__init__ here: look at the files instead.
-    spec = importlib.util.find_spec("kvcached.integration")
-    return bool(
-        spec
-        and spec.submodule_search_locations
-        and any(os.path.exists(os.path.join(d, "vllm_patches.py")) for d in spec.submodule_search_locations)
-    )
+    Raises DetectFailed: a warning when it could not run or exited non-zero
+    (the engine's import broke: nothing is known), a failure when it printed a
+    document that is not kvcached.detect/1 (the kvcached there does not keep
+    the contract this doctor reads).
+    """
+    try:
+        r = subprocess.run([ctx.python, *DETECT_ARGV], capture_output=True, text=True, timeout=ctx.timeout,
+                           env={**ctx.environ, "PYTHONDONTWRITEBYTECODE": "1"}, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise DetectFailed(Status.WARN, f"could not inspect the installed engines: {e}") from None
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+        raise DetectFailed(Status.WARN, f"could not inspect the installed engines: {last}", stderr=r.stderr[-2000:])
+    fix = (f"install the same kvcached in {ctx.python} as this kvctl's "
+           "(pip install --force-reinstall --no-deps kvcached, or pip install -e . in a checkout)")
+    try:
+        return parse_detect(json.loads(r.stdout))
+    except json.JSONDecodeError as e:
+        raise DetectFailed(Status.FAIL, f"kvcached.integration.detect printed no JSON document ({e})", fix,
+                           stdout=r.stdout[-2000:]) from None
+    except DocumentError as e:
+        raise DetectFailed(Status.FAIL, f"kvcached.integration.detect printed a malformed document: {e}", fix,
+                           stdout=r.stdout[-2000:]) from None
 
 
 def check_vllm(ctx: Context) -> list[CheckResult]:
     g = Group.ENGINE
-    if importlib.util.find_spec("vllm") is None:
-        return _r("vllm", g, Status.SKIP, "vLLM is not installed here")
-    if not _has_integration():
-        return _r("vllm", g, Status.SKIP, "vLLM is installed, but this kvcached has no vLLM integration to inspect it")
     try:
-        r = _probe(ctx, _DETECT_PROBE)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return _r("vllm", g, Status.WARN, f"could not inspect the installed vLLM: {e}")
-    line = next((ln for ln in r.stdout.splitlines() if ln.startswith(_DETECT_MARK)), None)
-    if r.returncode != 0 or line is None:
-        last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-        return _r("vllm", g, Status.WARN, f"could not inspect the installed vLLM: {last}")
-    data = json.loads(line[len(_DETECT_MARK) :])
-    return vllm_results(data, kvctl=ctx.kvctl) + ray_results(
-        bool(data.get("ray_installed")), ray_serves(ctx.view.facts.processes.values()), kvctl=ctx.kvctl
+        doc = ctx.engines
+    except DetectFailed as e:
+        return _r("vllm", g, e.status, e.summary, e.fix, **e.details)
+    section = doc.engines.get("vllm")
+    if section is None:
+        return _r("vllm", g, Status.SKIP, "vLLM is not installed here")
+    return vllm_results(section, kvctl=ctx.kvctl) + ray_results(
+        section.facts.get(RAY_INSTALLED) is True, ray_serves(ctx.view.facts.processes.values()), kvctl=ctx.kvctl
     )
 
 
@@ -534,89 +537,54 @@ def ray_results(installed: bool, pids: list[int], kvctl: str = "kvctl") -> list[
     return []
 
 
-def vllm_results(data: Mapping[str, Any], kvctl: str = "kvctl") -> list[CheckResult]:
-    """Doctor lines from `kvcached.integration.vllm_patches.detect().to_dict()`; fixes name `kvctl` (Context.kvctl)."""
+def vllm_results(section: EngineSection, kvctl: str = "kvctl") -> list[CheckResult]:
+    """Doctor lines from the `vllm` section of kvcached.detect/1; fixes name `kvctl` (Context.kvctl)."""
     g = Group.ENGINE
+    if section.error:
+        return _r("vllm", g, Status.WARN, f"could not inspect the installed vLLM: {section.error}")
+    plugin = section.plugin
     enable = "export ENABLE_KVCACHED=true (kvcached's vLLM plugin applies its patches in every vLLM process)"
-    if data.get("error"):
-        return _r("vllm", g, Status.WARN, f"could not inspect the installed vLLM: {data['error']}")
-    enabled = data.get("enabled")
-    excluded = data.get("plugin_allowed") is False
-    if excluded:
-        current = str(data.get("vllm_plugins") or "")
-        names = [n for n in current.split(",") if n]
-        enable = (
-            f"export VLLM_PLUGINS={','.join(names + ['kvcached'])} (or unset VLLM_PLUGINS): vLLM loads only "
-            f"the plugins it lists"
-        )
-    state = (
-        "enabled, but inactive: VLLM_PLUGINS excludes it"
-        if enabled and excluded
-        else "enabled"
-        if enabled
-        else "not enabled in this environment"
-    )
-    out = _r(
-        "vllm",
-        g,
-        Status.OK if enabled and not excluded else Status.WARN,
-        f"vLLM {data.get('vllm_version') or '?'} installed; kvcached integration {state}",
-        None if enabled and not excluded else enable,
-        detect=dict(data),
-    )
-    if excluded:
-        out += _r(
-            "vllm-plugins",
-            g,
-            Status.WARN,
-            f"VLLM_PLUGINS={data.get('vllm_plugins')!r} does not list kvcached: "
-            "vLLM never loads kvcached's plugin, so its patches are inactive",
-            enable,
-        )
-    active = []
-    for name, value in _items(data.get("patches")):
-        on, detail = _flag(value, ("active", "applied", "enabled", "ok"))
-        applicable = value.get("applicable", True) if isinstance(value, Mapping) else True
-        if on:
-            active.append(name)
-            out += _r(
-                f"vllm-patch:{name}",
-                g,
-                Status.OK,
-                f"kvcached patch {name}: active" + (f" ({detail})" if detail else ""),
-            )
-        elif not applicable:
-            out += _r(
-                f"vllm-patch:{name}",
-                g,
-                Status.SKIP,
-                f"kvcached patch {name}: not applicable to this vLLM" + (f" ({detail})" if detail else ""),
-            )
+    if not plugin.allowed:
+        names = [n for n in (plugin.allow_list or "").split(",") if n]
+        enable = (f"export {plugin.allow_list_var}={','.join(names + ['kvcached'])} (or unset "
+                  f"{plugin.allow_list_var}): vLLM loads only the plugins it lists")
+    state = ("enabled, but inactive: VLLM_PLUGINS excludes it" if plugin.enabled and not plugin.allowed
+             else "enabled" if plugin.enabled else "not enabled in this environment")
+    out = _r("vllm", g, Status.OK if plugin.active else Status.WARN,
+             f"vLLM {section.version or '?'} installed; kvcached integration {state}",
+             None if plugin.active else enable, detect=section.to_dict())
+    if not plugin.allowed:
+        out += _r("vllm-plugins", g, Status.WARN,
+                  f"VLLM_PLUGINS={plugin.allow_list!r} does not list kvcached: "
+                  "vLLM never loads kvcached's plugin, so its patches are inactive", enable)
+    for patch in section.patches:
+        out += _patch_line(section, patch, enable, kvctl)
+    active = any(section.patch_active(p) for p in section.patches)
+    for c in section.conditions:
+        text = f"vLLM {c.name}: " + {True: "present", False: "absent", None: "could not tell"}[c.present]
+        text += f" ({c.detail})" if c.detail else ""
+        if c.present is False:
+            out += _r(f"vllm:{c.name}", g, Status.OK, text)
+        elif c.present and active:
+            out += _r(f"vllm:{c.name}", g, Status.OK, text + "; kvcached's patches work around it")
         else:
-            out += _r(
-                f"vllm-patch:{name}",
-                g,
-                Status.WARN,
-                f"kvcached patch {name}: inactive" + (f" ({detail})" if detail else ""),
-                enable,
-            )
-    for name, value in _items(data.get("conditions")):
-        present, detail = _flag(value, ("present", "detected", "affected"))
-        text = f"vLLM {name}: " + {True: "present", False: "absent", None: "could not tell"}[present]
-        text += f" ({detail})" if detail else ""
-        if present is False:
-            out += _r(f"vllm:{name}", g, Status.OK, text)
-        elif present and active:
-            out += _r(f"vllm:{name}", g, Status.OK, text + "; kvcached's patches work around it")
-        else:
-            out += _r(
-                f"vllm:{name}",
-                g,
-                Status.WARN,
-                text + ("; no kvcached patch is active" if present else ""),
-                f"{enable}; meanwhile: {kvctl} gc --yes",
-            )
+            out += _r(f"vllm:{c.name}", g, Status.WARN, text + ("; no kvcached patch is active" if c.present else ""),
+                      f"{enable}; meanwhile: {kvctl} gc --yes")
     return out
+
+
+def _patch_line(section: EngineSection, patch: PatchReport, enable: str, kvctl: str) -> list[CheckResult]:
+    g, name, why = Group.ENGINE, f"vllm-patch:{patch.name}", f" ({patch.reason})" if patch.reason else ""
+    if section.patch_active(patch):
+        return _r(name, g, Status.OK, f"kvcached patch {patch.name}: active{why}")
+    if patch.status is PatchStatus.READY:
+        return _r(name, g, Status.WARN, f"kvcached patch {patch.name}: inactive{why}", enable)
+    if patch.status is PatchStatus.UNKNOWN_SHAPE:
+        return _r(name, g, Status.WARN, f"kvcached patch {patch.name}: stands aside, unknown vLLM shape{why}",
+                  f"use a kvcached release that knows this vLLM; meanwhile: {kvctl} gc --yes")
+    words = {PatchStatus.NOT_NEEDED: "not needed", PatchStatus.DISABLED: "off",
+             PatchStatus.NOT_COVERED: "not covered here"}
+    return _r(name, g, Status.SKIP, f"kvcached patch {patch.name}: {words.get(patch.status, str(patch.status))}{why}")
 
 
 CHECKS: tuple[Check, ...] = (

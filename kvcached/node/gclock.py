@@ -14,12 +14,13 @@ import os
 import stat
 from types import TracebackType
 
+from .. import settings
 from .enums import Category
 from .errors import KvcachedError
 from .layout import Layout
 from .lease import read_proc_locks
 
-ENV_LOCK = "KVCTL_LOCK"
+ENV_LOCK = settings.KVCTL_LOCK.name
 LOCK_NAME = "kvctl-gc.lock"
 
 
@@ -47,7 +48,7 @@ def lock_path(layout: Layout) -> str:
     path); else `<root>/run/lock/kvctl-gc.lock` when that directory exists and
     we may write it; else `<root>/tmp/kvctl-gc.lock`.
     """
-    env = os.environ.get(ENV_LOCK)
+    env = settings.KVCTL_LOCK.get()
     if env:
         return env
     run = os.path.join(layout.root, "run")

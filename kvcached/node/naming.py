@@ -8,9 +8,11 @@ import re
 import uuid
 from collections.abc import Mapping
 
+from .. import settings
+
 MAX_NAME = 64
 TAGS = ("vLLM", "SGLang", "proc")
-ENV_NAME = "KVCACHED_IPC_NAME"
+ENV_NAME = settings.IPC_NAME.name
 
 # Default names: kvcached_<Tag>_<PGID>, optionally with our `_dp<rank>` data-parallel
 # suffix, then the `_g<id>` group suffix or the `_<n>` uniqueness suffix
@@ -60,8 +62,7 @@ def default_ipc_name(tag: str | None = None, pgid: int | None = None) -> str:
 
 def ipc_name_from_env(environ: Mapping[str, str] | None = None, *, tag: str | None = None) -> str:
     """The deployment's IPC name: sanitised `KVCACHED_IPC_NAME`, else the default name."""
-    env = os.environ if environ is None else environ
-    explicit = env.get(ENV_NAME, "")
+    explicit = settings.IPC_NAME.get(environ)
     if explicit:
         return sanitize(explicit)
     return default_ipc_name(tag)

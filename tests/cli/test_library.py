@@ -111,58 +111,6 @@ def test_a_planted_link_at_the_lock_path_is_refused(layout) -> None:
     assert "symbolic link" in r.stderr
 
 
-def test_doctor_lines_from_the_vllm_integration_report() -> None:
-    from kvcached.node.diagnostics import Status, vllm_results
-
-    report = {  # the shape of kvcached.integration.vllm_patches.detect().to_dict()
-        "schema": "kvcached.vllm/1",
-        "vllm_version": "0.33.0",
-        "error": None,
-        "enabled": False,
-        "conditions": {
-            "shutdown_timeout_zero": {"name": "shutdown_timeout_zero", "present": True, "detail": "default 0"},
-            "sigterm_reset_before_teardown": {"name": "sigterm_reset_before_teardown", "present": True, "detail": ""},
-            "lmcache_shutdown_not_forwarded": {
-                "name": "lmcache_shutdown_not_forwarded",
-                "present": None,
-                "detail": "cannot inspect",
-            },
-        },
-        "patches": {
-            "owner_cleanup": {
-                "name": "owner_cleanup",
-                "targets": ["x"],
-                "applicable": True,
-                "applied": False,
-                "active": False,
-                "detail": "shape found",
-            },
-            "lmcache_shutdown": {
-                "name": "lmcache_shutdown",
-                "targets": ["y"],
-                "applicable": False,
-                "applied": False,
-                "active": False,
-                "detail": "already forwards",
-            },
-        },
-    }
-    lines = {r.name: r for r in vllm_results(report)}
-    assert lines["vllm"].status is Status.WARN and "0.33.0" in lines["vllm"].summary
-    assert "ENABLE_KVCACHED=true" in (lines["vllm"].fix or "")
-    assert lines["vllm-patch:owner_cleanup"].status is Status.WARN
-    assert lines["vllm-patch:lmcache_shutdown"].status is Status.SKIP
-    assert lines["vllm:shutdown_timeout_zero"].status is Status.WARN
-    assert lines["vllm:lmcache_shutdown_not_forwarded"].status is Status.WARN
-    report["enabled"] = True
-    report["patches"]["owner_cleanup"]["active"] = True
-    lines = {r.name: r for r in vllm_results(report)}
-    assert lines["vllm"].status is Status.OK and lines["vllm-patch:owner_cleanup"].status is Status.OK
-    assert lines["vllm:shutdown_timeout_zero"].status is Status.OK
-    assert "work around" in lines["vllm:shutdown_timeout_zero"].summary
-    assert vllm_results({"error": "vLLM not importable"})[0].status is Status.WARN
-
-
 def test_doctor_names_ray_backed_vllm_processes() -> None:
     """Ray is not covered: doctor warns about Ray-backed vLLM processes it finds, and notes Ray merely installed."""
     from types import SimpleNamespace

@@ -35,16 +35,18 @@ def vllm_env(layout, uniq, monkeypatch) -> Iterator[str]:
 @pytest.fixture
 def patched(request) -> Iterator[bool]:
     """Whether this case runs on patched vLLM (param True) or as installed (False); reverted after."""
-    from kvcached.integration import vllm_patches
+    from kvcached.integration.patchkit import PatchStatus
+    from kvcached.integration.vllm.patches import REGISTRY
 
     on = bool(getattr(request, "param", True))
-    vllm_patches.revert()
+    REGISTRY.revert()
     if on:
-        applied = vllm_patches.apply()
+        applied = REGISTRY.apply()
         # elastic-kv stays off unless KVCACHED_ELASTIC=1 (its own tests turn it on).
-        assert all(v for k, v in applied.items() if k != "elastic-kv"), applied
+        assert applied.pop("elastic-kv") is PatchStatus.DISABLED, applied
+        assert all(v is PatchStatus.APPLIED for v in applied.values()), applied
     yield on
-    vllm_patches.revert()
+    REGISTRY.revert()
 
 
 @pytest.fixture(autouse=True)
@@ -64,17 +66,21 @@ def elastic(request, monkeypatch, vllm_env) -> Iterator[bool]:
     (its own test sets one). Reverted after, with the engine plan and the
     process's buffer forgotten.
     """
-    from kvcached.integration import vllm_elastic, vllm_patches
+    from kvcached.integration.patchkit import PatchStatus
+    from kvcached.integration.vllm import elastic_kv
+    from kvcached.integration.vllm.patches import REGISTRY
     from kvcached.runtime import kvbuffer
 
     monkeypatch.setenv("KVCACHED_ELASTIC", "1")
     monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(64 * 1024))  # elastic_support.PAGE
     monkeypatch.setenv("KVCACHED_ELASTIC_RELEASE_DELAY_S", "0")
     on = bool(getattr(request, "param", True))
-    vllm_patches.revert()
+    REGISTRY.revert()
     if on:
-        assert vllm_patches.apply(("elastic-kv",)) == {"elastic-kv": True}
+        # elastic-kv requires worker-listener: asking for it applies both, in that order.
+        assert REGISTRY.apply(("elastic-kv",)) == {"worker-listener": PatchStatus.APPLIED,
+                                                   "elastic-kv": PatchStatus.APPLIED}
     yield on
-    vllm_patches.revert()
-    vllm_elastic.forget_engine()
+    REGISTRY.revert()
+    elastic_kv.forget_engine()
     kvbuffer.set_local_buffer(None)

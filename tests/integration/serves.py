@@ -140,19 +140,20 @@ def _owner_main(conn: Any, shape: Shape, root: str, name: str, patched: bool, en
     from vllm.v1.engine.core_client import InprocClient, SyncMPClient
     from vllm.v1.executor.abstract import Executor
 
-    from kvcached.integration import engine_state, vllm_patches, vllm_plugin
+    from kvcached.integration.vllm import common, plugin
+    from kvcached.integration.vllm.patches import REGISTRY
     from kvcached.node import naming
 
     from . import vllm_fakes
 
     # Whatever the test process had applied: this serve loads kvcached as vLLM
     # does, through its plugin loader and the installed entry point.
-    vllm_patches.revert()
-    vllm_plugin._done = False
+    REGISTRY.revert()
+    plugin._done = False
     vllm.plugins.plugins_loaded = False
     vllm.plugins.load_general_plugins()
     if not shape.dp_names:
-        naming.dp_rank_name = engine_state.dp_rank_name = lambda base, rank: base  # type: ignore[assignment]
+        naming.dp_rank_name = common.dp_rank_name = lambda base, rank: base  # type: ignore[assignment]
     vllm_fakes.install_engine()
     cfg = vllm_fakes.ServeConfig(tp=shape.tp, pp=shape.pp, dp=shape.dp, backend=shape.backend,
                                  worker_start=shape.worker_start)

@@ -29,7 +29,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from kvcached.integration import vllm_elastic  # noqa: E402
+from kvcached.integration.vllm import elastic_kv  # noqa: E402
 from kvcached.node.segment import read_segment  # noqa: E402
 from kvcached.node.startup import claim_segment  # noqa: E402
 from kvcached.runtime import kvbuffer  # noqa: E402
@@ -54,7 +54,7 @@ class Serve:
         self.segment = layout.segment_path(name)
         self.vc = es.vllm_config(str(tmp_path), prefix_caching=prefix_caching)
         self.cfg = es.kv_cache_config(self.vc, NUM_BLOCKS)
-        vllm_elastic.prepare_engine([self.cfg], "local")  # the executor hook, as for the uni executor
+        elastic_kv.prepare_engine([self.cfg], "local")  # the executor hook, as for the uni executor
         self.kv = es.allocate(self.cfg, self.vc)
         self.buf = kvbuffer.local_buffer()
         if scheduler_cls is None:
@@ -260,7 +260,7 @@ def test_batches_in_flight_keep_their_pages_mapped(serve, monkeypatch) -> None:
     mapped until that batch's output is back. Checked with `InFlight` as it
     is, then with it blinded, where the same trace must catch the violation.
     """
-    from kvcached.integration import vllm_blockpool
+    from kvcached.integration.vllm import blockpool
 
     def run(s) -> list[str]:
         problems: list[str] = []
@@ -304,8 +304,8 @@ def test_batches_in_flight_keep_their_pages_mapped(serve, monkeypatch) -> None:
     assert run(s) == []
     assert s.mapped_bytes() <= 2 * PB
     s.close()
-    vllm_elastic.forget_engine()
-    monkeypatch.setattr(vllm_blockpool.InFlight, "finished_through", lambda self: self.issued)
+    elastic_kv.forget_engine()
+    monkeypatch.setattr(blockpool.InFlight, "finished_through", lambda self: self.issued)
     s2 = serve(scheduler_cls=AsyncScheduler)
     assert run(s2), "with in-flight batches ignored the trace should unmap pages under a running batch"
 
@@ -362,7 +362,7 @@ def test_free_pages_stay_a_while_under_load_and_go_at_once_when_idle(serve, elas
 def test_in_flight_batches_close_when_their_output_returns_or_they_are_dropped() -> None:
     import gc
 
-    from kvcached.integration.vllm_blockpool import InFlight
+    from kvcached.integration.vllm.blockpool import InFlight
 
     class Batch:
         pass
@@ -397,7 +397,7 @@ def test_the_pool_maps_under_the_engines_claimed_segment_and_alone_publishes_usa
         cfg = es.kv_cache_config(vc, NUM_BLOCKS)
         engine.track_kv_cache(NUM_BLOCKS * 1 << 20)  # what engine-state publishes: the whole cache, preallocated
         assert read_segment(layout.segment_path(name)).prealloc == NUM_BLOCKS * 1 << 20
-        plan = vllm_elastic.prepare_engine([cfg], "local")
+        plan = elastic_kv.prepare_engine([cfg], "local")
         assert plan.segment_path == layout.segment_path(name)
         es.allocate(cfg, vc)
         sched = es.scheduler(vc, cfg)

@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from kvcached.integration import vllm_elastic  # noqa: E402
+from kvcached.integration.vllm import elastic_kv  # noqa: E402
 from kvcached.runtime import kvbuffer  # noqa: E402
 
 from . import elastic_support as es  # noqa: E402
@@ -60,7 +60,7 @@ CASES = [
 def allocate(tmp_path, layout: str, groups, num_blocks: int = 101):
     vc = es.vllm_config(str(tmp_path), layout=layout)
     cfg = es.kv_cache_config(vc, num_blocks, groups=groups())
-    vllm_elastic.prepare_engine([cfg], "local", segment_path=str(tmp_path / "seg"))
+    elastic_kv.prepare_engine([cfg], "local", segment_path=str(tmp_path / "seg"))
     return cfg, es.allocate(cfg, vc)
 
 
@@ -173,7 +173,7 @@ def test_a_layout_without_views_falls_back_and_says_why(elastic, tmp_path, caplo
     cfg = es.kv_cache_config(vc, 64)
     cfg.kv_cache_tensors[0].host_resident = True  # as HiSparse host pools are
     cfg.hisparse_host_num_blocks = cfg.num_blocks
-    vllm_elastic.prepare_engine([cfg], "local", segment_path=str(tmp_path / "seg"))
+    elastic_kv.prepare_engine([cfg], "local", segment_path=str(tmp_path / "seg"))
     with caplog.at_level("WARNING", logger="kvcached.integration.vllm.elastic"):
         kv = es.allocate(cfg, vc)
     assert kvbuffer.local_buffer() is None and kv
@@ -185,41 +185,48 @@ def test_off_by_default_nothing_is_patched(monkeypatch) -> None:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.worker import utils
 
-    from kvcached.integration import vllm_patches
+    from kvcached.integration.patchkit import PatchStatus, is_ours
+    from kvcached.integration.vllm.patches import REGISTRY
 
     monkeypatch.delenv("KVCACHED_ELASTIC", raising=False)
-    vllm_patches.revert()
+    REGISTRY.revert()
     try:
-        assert vllm_patches.apply(("elastic-kv",)) == {"elastic-kv": False}
+        # Switched off: not even what it requires is applied.
+        assert REGISTRY.apply(("elastic-kv",)) == {"elastic-kv": PatchStatus.DISABLED}
         assert kv_cache_coordinator.BlockPool is BlockPool
-        assert not hasattr(utils.allocate_kv_cache, "__kvcached_elastic_original__")
-        status = {p.name: p for p in vllm_patches.detect().patches}["elastic-kv"]
-        assert not status.active and "KVCACHED_ELASTIC=1" in status.detail
+        assert not is_ours(utils.allocate_kv_cache)
+        status = {p.name: p for p in REGISTRY.report()}["elastic-kv"]
+        assert status.status is PatchStatus.DISABLED and "KVCACHED_ELASTIC=1" in status.reason
     finally:
-        vllm_patches.revert()
+        REGISTRY.revert()
 
 
-def test_page_size_env(monkeypatch) -> None:
+def test_page_size_env(monkeypatch, caplog) -> None:
+    from kvcached import settings
+
     monkeypatch.setenv("KVCACHED_PAGE_SIZE", "65536")
-    assert vllm_elastic.page_size() == 65536
+    assert settings.PAGE_SIZE.get() == 65536
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", "64k")  # not a number of bytes: warned about, the default used
+    assert settings.PAGE_SIZE.get() == 2 << 20 and "KVCACHED_PAGE_SIZE='64k'" in caplog.text
     monkeypatch.delenv("KVCACHED_PAGE_SIZE")
-    assert vllm_elastic.page_size() == 2 << 20
+    assert settings.PAGE_SIZE.get() == 2 << 20
 
 
 def test_model_runners_that_imported_the_allocation_first_get_it_too(monkeypatch) -> None:
     """vLLM's model runner binds allocate_kv_cache at import: patching the utils module alone would miss it."""
     from vllm.v1.worker import gpu_model_runner, utils
 
-    from kvcached.integration import vllm_patches
+    from kvcached.integration.patchkit import PatchStatus, key_of
+    from kvcached.integration.vllm.patches import REGISTRY
 
     monkeypatch.setenv("KVCACHED_ELASTIC", "1")
-    vllm_patches.revert()
+    REGISTRY.revert()
     original = utils.allocate_kv_cache
     assert gpu_model_runner.allocate_kv_cache is original  # imported before the patch, as in a worker
     try:
-        assert vllm_patches.apply(("elastic-kv",)) == {"elastic-kv": True}
-        assert gpu_model_runner.allocate_kv_cache is vllm_elastic.allocate_kv_cache
-        assert utils.allocate_kv_cache is vllm_elastic.allocate_kv_cache
+        assert REGISTRY.apply(("elastic-kv",))["elastic-kv"] is PatchStatus.APPLIED
+        assert key_of(gpu_model_runner.allocate_kv_cache) == key_of(utils.allocate_kv_cache) == "elastic-kv"
+        assert gpu_model_runner.allocate_kv_cache.__wrapped__ is original
     finally:
-        vllm_patches.revert()
+        REGISTRY.revert()
     assert gpu_model_runner.allocate_kv_cache is original and utils.allocate_kv_cache is original

@@ -118,17 +118,31 @@ def test_failing_lmcache_shutdown_does_not_raise(lmcache_module, patched, monkey
 
 def test_vllm_that_forwards_is_left_alone(patched, monkeypatch) -> None:
     """Where vLLM's connector defines shutdown() itself, the patch is not needed and changes nothing."""
-    from kvcached.integration import vllm_patches
+    from kvcached.integration.patchkit import PatchStatus
+    from kvcached.integration.vllm.detect import conditions
+    from kvcached.integration.vllm.patches import REGISTRY
 
-    vllm_patches.revert()
+    REGISTRY.revert()
 
     def own_shutdown(self: Any) -> None:
         self._lmcache_engine.shutdown()
 
     monkeypatch.setattr(LMCacheConnectorV1, "shutdown", own_shutdown, raising=False)
-    assert vllm_patches.apply(("lmcache-shutdown",)) == {"lmcache-shutdown": False}
+    assert REGISTRY.apply(("lmcache-shutdown",)) == {"lmcache-shutdown": PatchStatus.NOT_NEEDED}
     assert LMCacheConnectorV1.__dict__["shutdown"] is own_shutdown
-    status = {p.name: p for p in vllm_patches.detect().patches}["lmcache-shutdown"]
-    assert not status.applicable and status.detail.startswith("not needed")
-    cond = {c.name: c for c in vllm_patches.detect().conditions}["lmcache-no-shutdown-forwarding"]
+    status = {p.name: p for p in REGISTRY.report()}["lmcache-shutdown"]
+    assert status.status is PatchStatus.NOT_NEEDED and "defines shutdown() itself" in status.reason
+    cond = {c.name: c for c in conditions()}["lmcache-no-shutdown-forwarding"]
     assert cond.present is False
+
+
+def test_the_override_is_removed_on_revert(patched) -> None:
+    """The patch adds shutdown() where vLLM only inherits it; reverting removes it, leaving the base's."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvcached.integration.vllm.patches import REGISTRY
+
+    assert ("shutdown" in LMCacheConnectorV1.__dict__) is patched
+    REGISTRY.revert(("lmcache-shutdown",))
+    assert "shutdown" not in LMCacheConnectorV1.__dict__
+    assert LMCacheConnectorV1.shutdown is KVConnectorBase_V1.shutdown

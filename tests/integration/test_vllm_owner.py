@@ -29,7 +29,7 @@ from vllm.v1.engine.core_client import BackgroundResources, MPClient  # noqa: E4
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor  # noqa: E402
 
 from kvcached.integration import engine_owner as owner_mod  # noqa: E402
-from kvcached.integration.vllm_patches import OWNER_ATTR  # noqa: E402
+from kvcached.integration.vllm.owner_cleanup import OWNER_ATTR  # noqa: E402
 from kvcached.node.layout import Layout  # noqa: E402
 from kvcached.runtime.ipc.listener import WorkerListener  # noqa: E402
 
@@ -101,7 +101,7 @@ def _kill(pid: int, sig: int) -> None:
 @pytest.fixture
 def serve(vllm_env, layout, monkeypatch, patched) -> Any:
     monkeypatch.setattr(EngineCoreProc, "run_engine_core", staticmethod(standins.engine_main))
-    monkeypatch.setattr(owner_mod, "EXIT_WAIT_S", 2.0)
+    monkeypatch.setenv("KVCACHED_OWNER_EXIT_WAIT_S", "2")
     monkeypatch.setattr(owner_mod, "RETRY_INTERVAL_S", 0.05)
     made: list[Serve] = []
 
@@ -219,7 +219,7 @@ def test_same_name_replacements_stay(serve, layout, vllm_env, patched) -> None:
 
 def test_unconfirmed_engine_exit_keeps_everything(serve, layout, vllm_env, patched, monkeypatch) -> None:
     """While an engine has no confirmed exit code, nothing is removed; once it has, the retry cleans up."""
-    monkeypatch.setattr(owner_mod, "EXIT_WAIT_S", 0.2)
+    monkeypatch.setenv("KVCACHED_OWNER_EXIT_WAIT_S", "0.2")
     s = serve(tp=2)
     for pid in s.workers.values():
         _kill(pid, signal.SIGKILL)  # every node is unserved: only the engine gate holds

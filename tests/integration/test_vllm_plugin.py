@@ -1,8 +1,8 @@
-"""The vLLM general plugin: its switch, idempotency, never raising, feature detection and the doctor's report."""
+"""The vLLM general plugin: its switch, idempotency, never raising, feature detection and the detect document."""
 
 from __future__ import annotations
 
-import dataclasses
+import glob
 import importlib.util
 import json
 import logging
@@ -14,7 +14,10 @@ from importlib import metadata
 
 import pytest
 
-from kvcached.integration import enabled, plugin_allowed
+from kvcached.integration import enabled
+from kvcached.integration.patchkit import PatchStatus
+from kvcached.integration.vllm.common import plugin_allowed
+from kvcached.node.detectdoc import parse
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,6 +30,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ({"KVCACHED_ENABLE": "1"}, True),
     ({"KVCACHED_ENABLE": "0"}, False),
     ({"ENABLE_KVCACHED": "false", "KVCACHED_ENABLE": "1"}, True),
+    ({"KVCACHED_ELASTIC": "yes"}, True),  # elastic KV needs the other patches: it turns the plugin on
+    ({"KVCACHED_ENABLE": "ture"}, False),  # a typo: one warning, then the default (off)
 ])
 def test_switch(env: dict[str, str], on: bool) -> None:
     assert enabled(env) is on
@@ -44,13 +49,19 @@ def test_vllm_plugins_allow_list(env: dict[str, str], allowed: bool) -> None:
     assert plugin_allowed(env) is allowed
 
 
-def test_importing_the_integration_imports_no_vllm() -> None:
-    """kvctl imports the integration to call detect(): only the call may import vLLM."""
-    code = ("import sys, kvcached.integration.vllm_patches, kvcached.integration.vllm_plugin, "
-            "kvcached.integration.engine_owner, kvcached.integration.engine_state, kvcached.integration.limits\n"
-            "bad = [m for m in ('vllm', 'torch') if m in sys.modules]\n"
-            "assert not bad, bad\n")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+def test_a_relative_root_makes_kvcached_stand_aside_in_the_engine(monkeypatch, uniq, caplog) -> None:
+    """KVCACHED_ROOT is strict: a relative one is not taken for `/`, so nothing lands on the real node."""
+    from types import SimpleNamespace
+
+    from kvcached.integration.vllm.engine_state import start_engine
+
+    monkeypatch.setenv("KVCACHED_ROOT", "relative/root")
+    monkeypatch.setenv("KVCACHED_IPC_NAME", uniq)
+    executor = SimpleNamespace(parallel_config=SimpleNamespace(), vllm_config=SimpleNamespace())
+    with caplog.at_level(logging.WARNING, logger="kvcached.integration.vllm"):
+        assert start_engine(executor, serve=True) is None
+    assert "engine state not set up: KVCACHED_ROOT='relative/root': not an absolute path" in caplog.text
+    assert not os.path.lexists(f"/dev/shm/{uniq}") and not glob.glob(f"/tmp/kvcached-tp-{uniq}-*")
 
 
 def test_entry_point_is_declared() -> None:
@@ -61,7 +72,7 @@ def test_entry_point_is_declared() -> None:
     ours = [ep for ep in eps if ep.name == "kvcached"]
     if not ours:
         pytest.skip("kvcached is not installed into this environment (pip install -e .), so no entry point")
-    assert ours[0].value == "kvcached.integration.vllm_plugin:register"
+    assert ours[0].value == "kvcached.integration.vllm.plugin:register"
 
 
 # With vLLM ------------------------------------------------------------------------------
@@ -79,25 +90,30 @@ def needs_vllm(fn):
 
 @pytest.fixture
 def clean_patches(monkeypatch):
-    from kvcached.integration import vllm_patches, vllm_plugin
+    from kvcached.integration.vllm import plugin
+    from kvcached.integration.vllm.patches import REGISTRY
 
-    vllm_patches.revert()
-    monkeypatch.setattr(vllm_patches, "_warned", set())
-    monkeypatch.setattr(vllm_plugin, "_done", False)
+    REGISTRY.revert()
+    monkeypatch.setattr(REGISTRY, "_warned", set())
+    monkeypatch.setattr(plugin, "_done", False)
     monkeypatch.delenv("ENABLE_KVCACHED", raising=False)
     monkeypatch.delenv("KVCACHED_ENABLE", raising=False)
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     monkeypatch.delenv("KVCACHED_ELASTIC", raising=False)
-    yield vllm_patches
-    vllm_patches.revert()
-    vllm_plugin.unroute_logs()
+    yield REGISTRY
+    REGISTRY.revert()
+    plugin.unroute_logs()
+
+
+def _statuses(registry) -> dict[str, PatchStatus]:
+    return {p.name: p.status for p in registry.report()}
 
 
 @needs_vllm
 def test_disabled_plugin_does_nothing(clean_patches) -> None:
-    from kvcached.integration import vllm_plugin
+    from kvcached.integration.vllm import plugin
 
-    vllm_plugin.register()
+    plugin.register()
     assert clean_patches.applied() == ()
 
 
@@ -113,21 +129,24 @@ def test_vllm_loads_the_plugin_once_per_process(clean_patches, monkeypatch) -> N
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     vllm.plugins.load_general_plugins()
     assert clean_patches.applied() == ALL_PATCHES
-    wrapper = vutils.CoreEngineProcManager.shutdown
-    from kvcached.integration import vllm_plugin
+    from kvcached.integration.patchkit import is_ours, original
+    from kvcached.integration.vllm import plugin
 
+    wrapper = vutils.CoreEngineProcManager.__dict__["shutdown"]
+    assert is_ours(wrapper) and not is_ours(wrapper.__wrapped__)
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     vllm.plugins.load_general_plugins()
-    vllm_plugin.register()
+    plugin.register()
     clean_patches.apply()
-    assert vutils.CoreEngineProcManager.shutdown is wrapper
-    assert not hasattr(wrapper.__kvcached_original__, "__kvcached_original__")
+    assert vutils.CoreEngineProcManager.__dict__["shutdown"] is wrapper  # wrapped once, however often loaded
+    clean_patches.revert()
+    assert vutils.CoreEngineProcManager.__dict__["shutdown"] is original(wrapper)
 
 
 @needs_vllm
 def test_plugin_never_raises_into_vllm(clean_patches, monkeypatch, caplog) -> None:
     """The failure is logged, through vLLM's handlers (where vLLM's own lines go), and vLLM goes on."""
-    from kvcached.integration import vllm_plugin
+    from kvcached.integration.vllm import plugin
 
     def boom(*_a, **_k):
         raise RuntimeError("patching exploded")
@@ -137,7 +156,7 @@ def test_plugin_never_raises_into_vllm(clean_patches, monkeypatch, caplog) -> No
     vllm_logger = logging.getLogger("vllm")
     vllm_logger.addHandler(caplog.handler)
     try:
-        vllm_plugin.register()
+        plugin.register()
     finally:
         vllm_logger.removeHandler(caplog.handler)
     assert "patching exploded" in caplog.text
@@ -169,10 +188,10 @@ def test_kvcached_logs_appear_in_vllms_stream_and_format(clean_patches, tmp_path
         from vllm.config.logging import LoggingConfig
         from vllm.logger import configure_logging
 
-        from kvcached.integration import vllm_plugin
+        from kvcached.integration.vllm import plugin
 
         logging.getLogger("kvcached.node.owner").info("before routing")
-        vllm_plugin.route_logs_to_vllm()  # the plugin may load before vLLM configures logging
+        plugin.route_logs_to_vllm()  # the plugin may load before vLLM configures logging
         configure_logging(LoggingConfig())  # what vLLM does in every process it starts
         logging.getLogger("kvcached.node.owner").info("owner removed /dev/shm/x")
         logging.getLogger("kvcached.node.owner").debug("not at vLLM level")
@@ -194,89 +213,103 @@ def test_kvcached_logs_appear_in_vllms_stream_and_format(clean_patches, tmp_path
 
 
 @needs_vllm
-def test_unknown_shape_disables_only_that_patch_with_one_warning(clean_patches, monkeypatch, caplog) -> None:
+def test_unknown_shape_disables_only_that_patch_and_what_requires_it(clean_patches, monkeypatch, caplog) -> None:
+    """One warning for the unknown shape, one for elastic-kv that requires it; the others still apply."""
     from vllm.v1.executor.multiproc_executor import WorkerProc
 
     def shutdown(self, timeout):  # a future vLLM's different signature
         return None
 
     monkeypatch.setattr(WorkerProc, "shutdown", shutdown)
+    monkeypatch.setenv("KVCACHED_ELASTIC", "1")
     with caplog.at_level(logging.WARNING, logger="kvcached.integration.vllm"):
         first = clean_patches.apply()
         second = clean_patches.apply()
-    assert first == second == {"lmcache-shutdown": True, "owner-cleanup": True, "worker-listener": False,
-                               "engine-state": True,
-                               "elastic-kv": False}  # off: KVCACHED_ELASTIC is not set
+    A, U, N = PatchStatus.APPLIED, PatchStatus.UNKNOWN_SHAPE, PatchStatus.NOT_COVERED
+    assert first == second == {"lmcache-shutdown": A, "owner-cleanup": A, "worker-listener": U,
+                               "engine-state": A, "elastic-kv": N}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "worker-listener" in warnings[0] and "WorkerProc.shutdown" in warnings[0]
+    assert len(warnings) == 2, warnings  # once per patch and process, however often the plugin loads
+    assert "worker-listener" in warnings[0] and "WorkerProc.shutdown" in warnings[0]
+    assert "elastic-kv" in warnings[1] and "requires worker-listener, which is unknown_shape" in warnings[1]
     assert WorkerProc.shutdown is shutdown
-    status = {p.name: p for p in clean_patches.detect().patches}
-    assert not status["worker-listener"].applicable and "unknown vLLM shape" in status["worker-listener"].detail
+    report = {p.name: p for p in clean_patches.report()}
+    assert report["worker-listener"].status is U and "WorkerProc.shutdown" in report["worker-listener"].reason
 
 
 @needs_vllm
 def test_detect_reports_conditions_and_patches(clean_patches, monkeypatch) -> None:
-    report = clean_patches.detect()
-    assert report.vllm_version == "0.33.0" and report.error is None
-    conditions = {c.name: c.present for c in report.conditions}
-    assert conditions == {"shutdown-timeout-zero": True, "sigterm-reset-before-teardown": True,
-                          "lmcache-no-shutdown-forwarding": True}
-    lifecycle = [p for p in report.patches if p.name != "elastic-kv"]
-    assert all(p.applicable and not p.applied and not p.active for p in lifecycle)
-    elastic = next(p for p in report.patches if p.name == "elastic-kv")  # opt-in, off here
-    assert not elastic.active and "KVCACHED_ELASTIC=1" in elastic.detail
+    from kvcached.integration.vllm.detect import section
+
+    eng = section()
+    assert eng.version == "0.33.0" and eng.error is None
+    assert {c.name: c.present for c in eng.conditions} == {
+        "shutdown-timeout-zero": True, "sigterm-reset-before-teardown": True, "lmcache-no-shutdown-forwarding": True}
+    lifecycle = {p.name: p for p in eng.patches if p.name != "elastic-kv"}
+    assert set(lifecycle) == set(ALL_PATCHES)
+    assert all(p.status is PatchStatus.READY and not eng.patch_active(p) for p in lifecycle.values())
+    elastic = next(p for p in eng.patches if p.name == "elastic-kv")  # opt-in, off here
+    assert elastic.status is PatchStatus.DISABLED and "KVCACHED_ELASTIC=1" in elastic.reason
+    assert elastic.requires == ("worker-listener",)
     monkeypatch.setenv("ENABLE_KVCACHED", "true")
-    assert all(p.active and not p.applied for p in clean_patches.detect().patches if p.name != "elastic-kv")
+    eng = section()
+    assert all(eng.patch_active(p) for p in eng.patches if p.name != "elastic-kv")
     clean_patches.apply()
-    d = clean_patches.detect().to_dict()
-    assert all(p["applied"] and p["active"] for k, p in d["patches"].items() if k != "elastic-kv")
-    assert d["conditions"]["lmcache-no-shutdown-forwarding"]["present"] is True  # vLLM's own class, not ours
-    json.dumps(d)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        report.enabled = True  # type: ignore[misc]  # frozen
+    eng = section()
+    assert {p.name for p in eng.patches if p.status is PatchStatus.APPLIED} == set(ALL_PATCHES)
+    conditions = {c.name: c.present for c in eng.conditions}
+    assert conditions["lmcache-no-shutdown-forwarding"] is True  # vLLM's own class, not our override
+    assert parse(json.loads(json.dumps({"schema": "kvcached.detect/1", "engines": {"vllm": eng.to_dict()}})))
+
+
+def _detect(env: dict[str, str]) -> dict:
+    """`python -m kvcached.integration.detect --json` as doctor runs it: its stdout is one JSON document."""
+    r = subprocess.run([sys.executable, "-m", "kvcached.integration.detect", "--json"], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": REPO, **env}, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
 
 
 @needs_vllm
-def test_doctor_probe_reads_the_report() -> None:
-    """kvctl doctor runs this probe in a subprocess; it must print the report as one JSON line."""
-    diagnostics = pytest.importorskip("kvcached.node.diagnostics")
-    r = subprocess.run([sys.executable, "-c", diagnostics._DETECT_PROBE], capture_output=True, text=True,
-                       env={**os.environ, "ENABLE_KVCACHED": "true", "PYTHONPATH": REPO}, timeout=120)
-    line = next(ln for ln in r.stdout.splitlines() if ln.startswith(diagnostics._DETECT_MARK))
-    data = json.loads(line[len(diagnostics._DETECT_MARK):])
-    assert set(data["conditions"]) == {"shutdown-timeout-zero", "sigterm-reset-before-teardown",
-                                       "lmcache-no-shutdown-forwarding"}
-    assert {k for k, v in data["patches"].items() if v["active"]} == set(ALL_PATCHES)
-    assert data["plugin_allowed"] is True
+def test_the_detect_entry_prints_the_document_doctor_reads() -> None:
+    """One entry for doctor: the whole of stdout is the document (vLLM's import-time logs go to stderr)."""
+    data = _detect({"ENABLE_KVCACHED": "true", "VLLM_LOGGING_LEVEL": "DEBUG"})
+    doc = parse(data)
+    eng = doc.engines["vllm"]
+    assert {c.name for c in eng.conditions} == {"shutdown-timeout-zero", "sigterm-reset-before-teardown",
+                                                "lmcache-no-shutdown-forwarding"}
+    assert {p.name for p in eng.patches if eng.patch_active(p)} == set(ALL_PATCHES)
+    assert eng.plugin.allowed is True and eng.facts["ray_installed"] is False
 
 
 @needs_vllm
 def test_vllm_plugins_excluding_kvcached_makes_every_patch_inactive(clean_patches, monkeypatch) -> None:
-    """vLLM skips a plugin VLLM_PLUGINS does not list: detect() and doctor say inactive, with the fix."""
-    from kvcached.node.diagnostics import vllm_results
+    """vLLM skips a plugin VLLM_PLUGINS does not list: detect and doctor say inactive, with the fix."""
+    from kvcached.integration.vllm.detect import section
+    from kvcached.node.diagnostics import Status, vllm_results
 
     monkeypatch.setenv("ENABLE_KVCACHED", "true")
     monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver")
-    d = clean_patches.detect().to_dict()
-    assert d["plugin_allowed"] is False and d["vllm_plugins"] == "lora_resolver"
-    assert not any(p["active"] for p in d["patches"].values())
-    results = {r.name: r for r in vllm_results(d)}
-    assert "inactive" in results["vllm"].summary and results["vllm"].status == "warn"
-    assert results["vllm-plugins"].fix.startswith("export VLLM_PLUGINS=lora_resolver,kvcached")
+    eng = section()
+    assert eng.plugin.allowed is False and eng.plugin.allow_list == "lora_resolver"
+    assert not any(eng.patch_active(p) for p in eng.patches)
+    results = {r.name: r for r in vllm_results(eng)}
+    assert "inactive" in results["vllm"].summary and results["vllm"].status is Status.WARN
+    assert (results["vllm-plugins"].fix or "").startswith("export VLLM_PLUGINS=lora_resolver,kvcached")
     assert all("inactive" in results[f"vllm-patch:{n}"].summary for n in ALL_PATCHES)
     monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver,kvcached")
-    patches = clean_patches.detect().to_dict()["patches"]
-    assert all(patches[n]["active"] for n in ALL_PATCHES)  # elastic-kv: opt-in, off without KVCACHED_ELASTIC
+    eng = section()
+    assert all(eng.patch_active(p) for p in eng.patches if p.name in ALL_PATCHES)  # elastic-kv: opt-in, off
 
 
 def test_detect_without_vllm_reports_why(monkeypatch) -> None:
-    """Where vLLM cannot be imported, detect() still returns a report (and never raises)."""
-    from kvcached.integration import vllm_patches
+    """Where vLLM cannot be imported, the section still comes back (and never raises)."""
+    from kvcached.integration.vllm import detect
 
     def missing(name: str):
         raise ModuleNotFoundError(f"No module named {name!r}")
 
-    monkeypatch.setattr(vllm_patches, "_module", missing)
-    report = vllm_patches.detect()
-    assert report.vllm_version is None and "not importable" in (report.error or "")
-    assert report.to_dict()["patches"] == {} and report.to_dict()["schema"] == vllm_patches.SCHEMA
+    monkeypatch.setattr(detect, "module", missing)
+    eng = detect.section()
+    assert eng.version is None and "not importable" in (eng.error or "") and eng.patches == ()
+    parse({"schema": "kvcached.detect/1", "engines": {"vllm": eng.to_dict()}})

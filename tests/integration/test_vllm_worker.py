@@ -26,7 +26,8 @@ from vllm.v1.executor import multiproc_executor as mpe  # noqa: E402
 from vllm.v1.executor.multiproc_executor import WorkerProc  # noqa: E402
 from vllm.v1.worker.worker_base import WorkerWrapperBase  # noqa: E402
 
-from kvcached.integration import vllm_patches  # noqa: E402
+from kvcached.integration import state  # noqa: E402
+from kvcached.integration.vllm.worker_listener import LISTENER_ATTR  # noqa: E402
 from kvcached.runtime.ipc.client import Client  # noqa: E402
 
 both = pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"], indirect=True)
@@ -103,7 +104,7 @@ def test_listener_lives_with_the_worker(no_gpu_worker, vllm_env, layout, patched
         worker.shutdown()
         return
     assert os.path.exists(path)
-    assert vllm_patches.current_worker_listener() is getattr(worker, vllm_patches.LISTENER_ATTR)
+    assert state.current_worker_listener() is getattr(worker, LISTENER_ATTR)
     reply = Client(path).ping()
     assert (reply["rank"], reply["stage"], reply["pid"]) == (expect[0], expect[1], os.getpid())
     wrapped = worker.worker.worker
@@ -111,14 +112,14 @@ def test_listener_lives_with_the_worker(no_gpu_worker, vllm_env, layout, patched
     assert wrapped.shutdowns == 1  # vLLM's own teardown still ran
     assert not os.path.lexists(path)
     assert not os.path.exists(layout.socket_dir(vllm_env))
-    assert vllm_patches.current_worker_listener() is None
+    assert state.current_worker_listener() is None
 
 
 def test_directory_stays_while_a_sibling_serves(no_gpu_worker, vllm_env, layout, patched) -> None:
     """The first worker to stop leaves the directory its sibling still serves in."""
     sibling = _worker(2, 1, 1)
-    listener = getattr(sibling, vllm_patches.LISTENER_ATTR)
-    vllm_patches._worker_listener = None  # two workers in one test process: keep them apart
+    listener = getattr(sibling, LISTENER_ATTR)
+    state.clear_worker_listener(listener)  # two workers in one test process: keep them apart
     worker = _worker(2, 1, 0)
     worker.shutdown()
     assert not os.path.lexists(layout.socket_path(vllm_env, 0))
@@ -135,7 +136,7 @@ def test_listener_failure_does_not_stop_the_worker(no_gpu_worker, vllm_env, layo
     squatter.listen(1)
     try:
         worker = _worker(1, 1, 0)
-        assert vllm_patches.LISTENER_ATTR not in worker.__dict__
+        assert LISTENER_ATTR not in worker.__dict__
         assert "listener not started" in caplog.text
         worker.shutdown()
         assert os.path.exists(layout.socket_path(vllm_env, 0))
@@ -152,7 +153,7 @@ def test_sigterm_through_vllms_worker_main_stops_the_listener(no_gpu_worker, vll
     the plugin loads inside WorkerProc.__init__ (as in a spawned worker), so the
     busy loop starts the listener.
     """
-    from kvcached.integration import vllm_patches as vp
+    from kvcached.integration.vllm.patches import REGISTRY as vp
 
     vp.revert()
 

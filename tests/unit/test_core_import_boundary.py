@@ -1,38 +1,92 @@
-"""DESIGN.md §2 and the layout of the tree: the node layer and kvctl import nothing of the runtime.
+"""docs/CLEANER.md §2 and the layout of the tree: who may import what.
 
-`kvcached.node` (everything that reads and cleans a node) and every module of
-`kvctl` must import neither torch, vLLM, numpy nor the compiled extension, nor
-anything of `kvcached.runtime` or `kvcached.integration` (engine processes only).
+- `kvcached.node` (everything that reads and cleans a node), `kvcached.settings`
+  and every module of `kvctl` import neither torch, vLLM, SGLang, numpy, wrapt
+  nor anything of `kvcached.runtime` or `kvcached.integration` (engine processes
+  only). Read from the source: every import statement, those inside functions
+  too, so an import that only runs later (a command, a check) counts as well.
+  The allow-list below names the few function-level exceptions and why.
+- The same modules, imported in a subprocess, leave none of those in sys.modules.
+- Every module of `kvcached.integration` imports neither vLLM nor torch when
+  imported (the patches import vLLM when they run), but for the engine-side
+  modules docs/VLLM.md names.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import pkgutil
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import kvcached.integration
 import kvcached.node
 import kvctl
 
-FORBIDDEN = ("torch", "vllm", "numpy", "kvcached.runtime", "kvcached.integration")
+REPO = Path(__file__).resolve().parents[2]
+FORBIDDEN = ("torch", "vllm", "sglang", "numpy", "wrapt", "kvcached.runtime", "kvcached.integration")
+# (package, imported module) -> why: imports allowed inside a function of that package, never at module level.
+ALLOWED_IN_FUNCTIONS = {
+    ("kvctl", "torch"): "kvctl limit-percent reads one device's memory through torch, imported when it runs",
+}
+# Modules of kvcached.integration that import vLLM when imported (docs/VLLM.md says so, and why).
+ENGINE_SIDE = {"kvcached.integration.vllm.blockpool"}
 
 
 def modules(package) -> list[str]:  # type: ignore[no-untyped-def]
     return [package.__name__] + [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
 
 
-def imported_by(module: str) -> list[str]:
+def source_of(module: str) -> Path:
+    path = REPO / Path(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def imports_of(module: str) -> list[tuple[str, int, bool]]:
+    """(absolute module imported, line, inside a function) for every import statement of `module`."""
+    tree = ast.parse(source_of(module).read_text())
+    package = module if source_of(module).name == "__init__.py" else module.rsplit(".", 1)[0]
+    found: list[tuple[str, int, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.extend((a.name, child.lineno, in_function) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    base = ".".join(parts + ([base] if base else []))
+                found.append((base, child.lineno, in_function))
+                found.extend((f"{base}.{a.name}", child.lineno, in_function) for a in child.names)
+            visit(child, nested)
+
+    visit(tree, False)
+    return found
+
+
+def forbidden(name: str) -> str | None:
+    return next((f for f in FORBIDDEN if name == f or name.startswith(f + ".")), None)
+
+
+def imported_by(module: str, watch: tuple[str, ...] = FORBIDDEN) -> list[str]:
     code = (
         "import importlib, json, sys\n"
         f"importlib.import_module({module!r})\n"
         f"print(json.dumps(sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') "
-        f"for f in {FORBIDDEN!r}))))\n"
+        f"for f in {watch!r}))))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
+
+
+CORE = modules(kvcached.node) + ["kvcached", "kvcached.settings"] + modules(kvctl)
 
 
 def test_the_layers_are_the_folders() -> None:
@@ -41,6 +95,42 @@ def test_the_layers_are_the_folders() -> None:
     assert not any(m.startswith(("kvcached.runtime", "kvcached.integration")) for m in node)
 
 
-@pytest.mark.parametrize("module", modules(kvcached.node) + modules(kvctl))
+def test_the_reader_sees_imports_inside_functions() -> None:
+    """The import scan itself: kvctl's limit-percent imports torch in a function, and the scan finds it."""
+    found = [(m, fn) for mod in modules(kvctl) for m, _, fn in imports_of(mod) if m == "torch"]
+    assert found and all(fn for _, fn in found)
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_no_import_statement_reaches_the_runtime(module: str) -> None:
+    bad = []
+    for name, line, in_function in imports_of(module):
+        hit = forbidden(name)
+        if hit is None:
+            continue
+        if in_function and (module.split(".")[0], hit) in ALLOWED_IN_FUNCTIONS:
+            continue
+        bad.append(f"{source_of(module).relative_to(REPO)}:{line} imports {name}"
+                   + (" (inside a function)" if in_function else ""))
+    assert bad == []
+
+
+@pytest.mark.parametrize("module", CORE)
 def test_imports_nothing_of_the_runtime(module: str) -> None:
     assert imported_by(module) == []
+
+
+@pytest.mark.parametrize("module", modules(kvcached.integration))
+def test_integration_modules_import_no_engine(module: str) -> None:
+    loaded = imported_by(module, ("vllm", "torch", "sglang"))
+    if module in ENGINE_SIDE:
+        assert "vllm" in loaded  # it is engine-side indeed: keep the list short and true
+    else:
+        assert loaded == []
+
+
+def test_the_engine_side_modules_are_the_documented_ones() -> None:
+    """docs/VLLM.md names them on one line: `Engine-side modules (they import vLLM when imported): ...`."""
+    line = next(ln for ln in (REPO / "docs" / "VLLM.md").read_text().splitlines()
+                if ln.startswith("Engine-side modules"))
+    assert set(re.findall(r"`(kvcached\.[\w.]+)`", line)) == ENGINE_SIDE

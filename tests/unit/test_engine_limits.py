@@ -6,9 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvcached.integration.engine_state import ENV_DP, engine_name
+from kvcached import settings
 from kvcached.integration.limits import ENV_LIMIT, resolve_limit
+from kvcached.integration.vllm.common import engine_name
 from kvcached.node.units import BadValue
+
+ENV_DP = settings.DP_SERVE.name
 
 GPU = 80 << 30
 
@@ -40,11 +43,19 @@ def test_percent_and_default_share_of_device_memory() -> None:
     assert resolve_limit(device(), 0.5, {}).total == GPU // 2
 
 
-@pytest.mark.parametrize("env, total", [({ENV_LIMIT: "lots"}, GPU), ({ENV_LIMIT: "-1G"}, GPU),
-                                        ({ENV_LIMIT: "150%"}, GPU), ({}, None), ({ENV_LIMIT: "10%"}, None)])
-def test_unusable_limits_say_why(env: dict[str, str], total: int | None) -> None:
-    with pytest.raises(BadValue):
-        resolve_limit(device(total), 0.9, env)
+@pytest.mark.parametrize("raw", ["lots", "-1G", "150%", "0%"])
+def test_an_unusable_limit_is_warned_about_and_vllms_share_used(raw: str, caplog, monkeypatch) -> None:
+    """The default is the share vLLM takes without kvcached: no worse than not having kvcached (settings.LIMIT)."""
+    monkeypatch.setattr(settings, "_warned", set())  # settings warn once per value and process
+    limit = resolve_limit(device(), 0.9, {ENV_LIMIT: raw})
+    assert limit.total == int(GPU * 0.9) and "gpu_memory_utilization" in limit.source
+    assert f"{ENV_LIMIT}={raw!r} is not usable" in caplog.text
+
+
+@pytest.mark.parametrize("env", [{}, {ENV_LIMIT: "10%"}])
+def test_a_share_of_unknown_device_memory_says_why(env: dict[str, str]) -> None:
+    with pytest.raises(BadValue, match="device's memory is unknown"):
+        resolve_limit(device(None), 0.9, env)
 
 
 def _parallel(size: int = 1, index: int = 0) -> SimpleNamespace:

@@ -1,8 +1,8 @@
-"""The `vllm.general_plugins` entry point (pyproject: `kvcached = ...vllm_plugin:register`).
+"""The `vllm.general_plugins` entry point (pyproject: `kvcached = kvcached.integration.vllm.plugin:register`).
 
 vLLM calls `register()` in every process it starts (API server, EngineCore,
 workers), possibly more than once. It does nothing unless kvcached is
-enabled (`ENABLE_KVCACHED=true` or `KVCACHED_ENABLE=1`), applies the patches
+enabled (`ENABLE_KVCACHED=true`, `KVCACHED_ENABLE=1` or `KVCACHED_ELASTIC=1`), applies the patches
 once per process, and never raises into vLLM's start-up: vLLM's loader calls
 plugins without a guard, so an exception here would abort the serve.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from . import enabled
+from .. import enabled
 
 log = logging.getLogger("kvcached.integration.vllm")
 
@@ -78,8 +78,8 @@ def register() -> None:
                 return
             _done = True
         route_logs_to_vllm()
-        from . import vllm_patches
+        from .patches import REGISTRY
 
-        vllm_patches.apply()
+        REGISTRY.apply()
     except Exception:
         log.exception("kvcached: the vLLM plugin failed; vLLM continues without kvcached's patches")

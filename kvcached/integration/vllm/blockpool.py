@@ -1,5 +1,8 @@
 """vLLM's BlockPool, elastic: blocks come from mapped pages, pages are mapped on demand under the limit.
 
+The `elastic-kv` patch builds it. Being a subclass of vLLM's BlockPool, this
+module imports vLLM at import (the only one of kvcached.integration that does).
+
 The KV cache's blocks are grouped into logical *pages* of `blocks_per_page`
 consecutive blocks; a page is mapped in every worker's buffer or in none
 (`kvcached.runtime.kvbuffer`). vLLM's free block queue holds only the free
@@ -107,7 +110,7 @@ class ElasticSetup:
 def _take_over_usage() -> None:
     """From now on this pool publishes used/prealloc: the engine's own (whole-cache) figures would contradict it."""
     try:
-        from .engine_state import current_engine
+        from ..engine_state import current_engine
 
         engine = current_engine()
         if engine is not None:

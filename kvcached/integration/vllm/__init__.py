@@ -1,0 +1,12 @@
+"""kvcached inside vLLM 0.33: the plugin vLLM loads, the patches it applies, and what `detect` reports.
+
+- `plugin`: the `vllm.general_plugins` entry point (`register`), and kvcached's logs in vLLM's stream.
+- `patches`: the registry of the five patches below (`REGISTRY`: apply, revert, report).
+- `engine_state`, `worker_listener`, `owner_cleanup`, `lmcache_shutdown`, `elastic_kv`: one patch each.
+- `kvlayout`: where vLLM's KV cache puts each block's bytes (what `elastic_kv` maps).
+- `blockpool`: `ElasticBlockPool`, a subclass of vLLM's BlockPool (the one module here that imports vLLM at import).
+- `detect`: vLLM's shutdown conditions and the `vllm` section of kvcached.detect/1.
+- `common`: vLLM's module names and the small readings of its objects the patches share.
+
+docs/VLLM.md says what each patch hooks, how it recognises the shape, and what breaks first.
+"""
