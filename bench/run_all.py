@@ -5,7 +5,8 @@ side by side in the same run; nothing here asserts a time. The scripts run in
 sequence, never in parallel, so that one does not load the machine under
 another's measurement.
 
-1. bench_cli_start.py  `kvctl gc --dry-run` cold start vs `python -c "import torch"`
+1. bench_cli_start.py  kvctl's start-up: `kvctl gc --dry-run` vs `python -c "import typer"`,
+                       one TAB completion vs `python -c pass` (paired runs, one ratio each)
 2. bench_gc.py         gc dry run vs a bare lstat+connect+stat loop (1,000 and 2,000
                        deployments), the /proc fact pass vs `ss -xap`, owner cleanup
 3. bench_pages.py      extension map+unmap vs a bare mmap/munmap loop; pool alloc/free

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from .enums import StrEnum
+from .enums import State, StrEnum
 from .facts import START_SLACK, Facts
 from .naming import default_name_pgid
 from .scan import Candidate, FileType, Kind
@@ -20,14 +20,6 @@ from .sockdiag import Bind
 from .units import entries
 
 DEFAULT_GRACE = 60.0
-
-
-class State(StrEnum):
-    LIVE = "live"
-    STALE = "stale"
-    UNKNOWN = "unknown"
-    YOUNG = "young"
-    FOREIGN = "foreign"
 
 
 class Reason(StrEnum):

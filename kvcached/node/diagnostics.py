@@ -14,7 +14,7 @@ import stat
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -64,6 +64,7 @@ class Context:
     """What checks share: the layout, the environment, and one lazily built plan and view."""
 
     layout: Layout
+    _: KW_ONLY  # the rest by keyword: proc_root and python are neighbouring strings
     policy: Policy = field(default_factory=Policy)
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     proc_root: str = "/proc"

@@ -63,7 +63,7 @@ class ProcessInfo(NamedTuple):
         return any(k in text for k in _ENGINE_MARKERS)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Facts:
     """What one /proc pass saw; read-only once built."""
 
@@ -482,7 +482,7 @@ def _listeners_of(netns_path: str | None) -> dict[tuple[int, int], set[int]]:
 def listening_facts(proc_root: str = "/proc") -> Facts:
     """Only this network namespace's listening Unix sockets: what an engine owner needs to
     name who still serves its workers' nodes, without a full /proc pass."""
-    facts = Facts(proc_root, None, None)
+    facts = Facts(proc_root=proc_root, my_mnt_ns=None, my_net_ns=None)
     try:
         facts.listeners = _listeners_of(None)
     except OSError:
@@ -498,7 +498,7 @@ def gather_facts(proc_root: str = "/proc") -> Facts:
         except OSError:
             return None
 
-    facts = Facts(proc_root, my_ns("mnt"), my_ns("net"))
+    facts = Facts(proc_root=proc_root, my_mnt_ns=my_ns("mnt"), my_net_ns=my_ns("net"))
     facts.hidepid = hidepid(proc_root)
     try:
         btime = _boot_time(proc_root)

@@ -5,6 +5,12 @@ plan made again), the operator's confirmation, the time budget, metrics, and
 an outcome. `run_delete(...)`: one deployment, through the same decisions,
 with delete's own rules for live, foreign and doubtful entries. Questions to
 the operator are callbacks: the core never reads a terminal.
+
+The scan, the /proc pass and the decision are imported when a run needs them:
+on a node that cannot hold kvcached state (nothing in /tmp or /dev/shm that
+any name could make ours) gc reports an empty run without them, which is
+most of what `kvctl gc` costs there (a cron run on an idle node;
+bench/bench_cli_start.py prints the figure).
 """
 
 from __future__ import annotations
@@ -12,39 +18,39 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .cleanup import Entry, Plan, Report, execute, plan
-from .decide import DEFAULT_GRACE, Decision, Policy, State
-from .enums import StrEnum
+from .enums import Category, KillOutcome, Kind, Outcome, State
 from .errors import KvcachedError
 from .layout import Layout
-from .scan import Kind
+from .names import may_hold_state
+from .report import Entry, Report
 
-
-class Outcome(StrEnum):
-    """How a run ended; kvctl maps each to one exit code."""
-
-    CLEAN = "clean"                    # nothing stale remains
-    STALE_REMAIN = "stale_remain"      # dry run, not confirmed, time limit, or a directory kept for its segment
-    PARTIAL_FAILURE = "partial_failure"  # a removal or a kill failed; the rest was done
+if TYPE_CHECKING:
+    from .cleanup import Plan
+    from .decide import Decision
+    from .facts import Facts
 
 
 class NoMatch(KvcachedError):
     """The names given match no deployment on the node."""
 
+    category = Category.NOT_FOUND
+
 
 class Refused(KvcachedError):
     """delete will not act: the target is live, not ours, or not proven dead without the operator's word."""
 
+    category = Category.REFUSED
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class GcOptions:
-    """Everything `kvctl gc` can be asked."""
+    """Everything `kvctl gc` can be asked (by keyword: neighbouring flags must not swap in a reorder)."""
 
     layout: Layout
     names: Sequence[str] = ()          # names or globs; empty: every deployment
-    grace: float = DEFAULT_GRACE
+    grace: float | None = None         # the grace age; None: decide.DEFAULT_GRACE
     kinds: Sequence[Kind] = ()
     dry_run: bool = False
     yes: bool = False
@@ -54,7 +60,7 @@ class GcOptions:
     proc_root: str = "/proc"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GcResult:
     """What one gc run found, did and how it ended."""
 
@@ -68,7 +74,7 @@ class GcResult:
 
 
 # (plan, the same plan as a dry run) -> remove?; None: nobody to ask (cron), so do not remove
-Confirm = Callable[[Plan, Report], bool]
+Confirm = Callable[["Plan", Report], bool]
 ConfirmKill = Callable[[list[Any]], bool]
 
 
@@ -78,12 +84,15 @@ def _split(names: Sequence[str]) -> tuple[list[str], list[str]]:
     return exact, list(names)
 
 
-def make_plan(layout: Layout, names: Sequence[str] = (), grace: float = DEFAULT_GRACE, kinds: Sequence[Kind] = (),
-              extra: Sequence[str] = (), proc_root: str = "/proc") -> Plan:
-    """The plan every command shows or acts on: names are exact names or globs."""
+def make_plan(layout: Layout, names: Sequence[str] = (), grace: float | None = None, kinds: Sequence[Kind] = (),
+              extra: Sequence[str] = (), proc_root: str = "/proc", facts: Facts | None = None) -> Plan:
+    """The plan every command shows or acts on: names are exact names or globs; grace None: the default."""
+    from .cleanup import plan
+    from .decide import DEFAULT_GRACE, Policy
+
     exact, globs = _split(names)
-    return plan(layout, Policy(grace=grace), names=exact + list(extra), globs=globs, kinds=kinds,
-                proc_root=proc_root)
+    return plan(layout, Policy(grace=DEFAULT_GRACE if grace is None else grace), facts=facts,
+                names=exact + list(extra), globs=globs, kinds=kinds, proc_root=proc_root)
 
 
 def _orphans(p: Plan) -> tuple[list[Any], set[int], list[Any]]:
@@ -99,7 +108,7 @@ def _orphans(p: Plan) -> tuple[list[Any], set[int], list[Any]]:
 
 def outcome_of(report: Report, killed: Sequence[Any] = ()) -> Outcome:
     """Failures first, then stale entries left, else clean."""
-    if report.failures or any(str(k.outcome) == "failed" for k in killed):
+    if report.failures or any(k.outcome is KillOutcome.FAILED for k in killed):
         return Outcome.PARTIAL_FAILURE
     return Outcome.STALE_REMAIN if report.stale_remaining else Outcome.CLEAN
 
@@ -130,41 +139,58 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
                 metrics.write_lock_busy(opts.prometheus, wall_start, time.time())
             raise
     try:
-        p = make_plan(opts.layout, opts.names, opts.grace, opts.kinds, proc_root=opts.proc_root)
-        if opts.names and not p.matched:
+        if may_hold_state(opts.layout.root):
+            result = _judge_and_act(opts, started, confirm, confirm_kill, progress)
+        elif opts.names:
             raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
-        orphans, killable, targets = _orphans(p)
-        killed: list[Any] = []
-        if opts.kill_orphans and not opts.dry_run and targets:
-            if opts.yes or (confirm_kill is not None and confirm_kill(targets)):
-                from .orphans import terminate
-
-                killed = terminate([o.info for _, o in targets], grace=5.0, proc_root=opts.proc_root)
-                # Their segment may be named only by the processes just killed: name it explicitly.
-                p = make_plan(opts.layout, opts.names, opts.grace, opts.kinds,
-                              extra=sorted({d.name for d, _ in targets}), proc_root=opts.proc_root)
-                orphans, killable, _ = _orphans(p)
-        dry = opts.dry_run
-        declined = False
-        if not dry and not opts.yes and any(d.state is State.STALE for _, d in p.entries()):
-            dry = confirm is None or not confirm(p, execute(p, dry_run=True))
-            declined = dry
-        # The bound covers the whole run: planning and killing count against it.
-        remaining = max(1e-9, opts.time_limit - (time.monotonic() - started)) if opts.time_limit else None
-        report = execute(p, dry_run=dry, time_limit=remaining, progress=progress)
+        else:
+            now = time.time()
+            result = GcResult(report=Report(dry_run=opts.dry_run, entries=[], errors=[], started=now, finished=now),
+                              dry_run=opts.dry_run, outcome=Outcome.CLEAN)
     finally:
         if lock is not None:
             lock.release()
-    outcome = outcome_of(report, killed)
     if opts.prometheus:
         from . import metrics
 
-        metrics.write_report(opts.prometheus, report, success=outcome is Outcome.CLEAN and not dry,
-                             orphans=len(orphans), started=wall_start)
-    return GcResult(report, dry, outcome, orphans, killable, killed, declined)
+        metrics.write_report(opts.prometheus, result.report,
+                             success=result.outcome is Outcome.CLEAN and not result.dry_run,
+                             orphans=len(result.orphans), started=wall_start)
+    return result
 
 
-def run_delete(layout: Layout, name: str, *, grace: float = DEFAULT_GRACE, vouch: bool = False,
+def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, confirm_kill: ConfirmKill | None,
+                   progress: Callable[[Entry], None] | None) -> GcResult:
+    """gc's run under the lock: plan, orphans, confirmation, the guarded act."""
+    from .cleanup import execute
+
+    p = make_plan(opts.layout, opts.names, opts.grace, opts.kinds, proc_root=opts.proc_root)
+    if opts.names and not p.matched:
+        raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
+    orphans, killable, targets = _orphans(p)
+    killed: list[Any] = []
+    if opts.kill_orphans and not opts.dry_run and targets:
+        if opts.yes or (confirm_kill is not None and confirm_kill(targets)):
+            from .orphans import terminate
+
+            killed = terminate([o.info for _, o in targets], grace=5.0, proc_root=opts.proc_root)
+            # Their segment may be named only by the processes just killed: name it explicitly.
+            p = make_plan(opts.layout, opts.names, opts.grace, opts.kinds,
+                          extra=sorted({d.name for d, _ in targets}), proc_root=opts.proc_root)
+            orphans, killable, _ = _orphans(p)
+    dry = opts.dry_run
+    declined = False
+    if not dry and not opts.yes and any(d.state is State.STALE for _, d in p.entries()):
+        dry = confirm is None or not confirm(p, execute(p, dry_run=True))
+        declined = dry
+    # The bound covers the whole run: planning and killing count against it.
+    remaining = max(1e-9, opts.time_limit - (time.monotonic() - started)) if opts.time_limit else None
+    report = execute(p, dry_run=dry, time_limit=remaining, progress=progress)
+    return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed), orphans=orphans,
+                    killable=killable, killed=killed, declined=declined)
+
+
+def run_delete(layout: Layout, name: str, *, grace: float | None = None, vouch: bool = False,
                confirm: Callable[[list[tuple[Any, Decision]]], bool] | None = None,
                proc_root: str = "/proc") -> Report:
     """Remove one deployment's segment and stale sockets, through gc's decisions, with delete's rules.
@@ -174,6 +200,8 @@ def run_delete(layout: Layout, name: str, *, grace: float = DEFAULT_GRACE, vouch
     vouches for them (`vouch`, or `confirm` answering yes); live sockets of the
     deployment are always kept.
     """
+    from .cleanup import execute
+
     layout.segment_path(name)  # InvalidName: a usage error, before any work
     p = make_plan(layout, [name], grace, proc_root=proc_root)
     entries = p.entries()

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from typer.testing import CliRunner
 
-from kvctl.app import app
+from kvctl.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "kvctl" / "schemas"
@@ -41,7 +41,7 @@ def validate(doc: Any, name: str) -> None:
 
 def invoke(*args: str, input: str | None = None, env: dict[str, str] | None = None) -> Run:
     """kvctl in-process (typer's CliRunner): exit codes and output without a fork."""
-    r = CliRunner().invoke(app, list(args), input=input, env={"NO_COLOR": "1", **(env or {})})
+    r = CliRunner().invoke(app(), list(args), input=input, env={"NO_COLOR": "1", **(env or {})})
     if r.exception is not None and not isinstance(r.exception, SystemExit):
         raise r.exception
     return Run(r.exit_code, r.stdout, r.stderr)

@@ -275,7 +275,7 @@ def _kvctl_cmd(user: str | None, root: str | None, args: list[str]) -> list[str]
         "NO_COLOR=1",
         f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}",
         "-c",
-        "import sys; sys.argv[0] = 'kvctl'; from kvctl.app import main; sys.exit(main())",
+        "import sys; sys.argv[0] = 'kvctl'; from kvctl.cli import main; sys.exit(main())",
         *glob,
         *args,
     ]
