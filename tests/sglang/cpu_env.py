@@ -47,7 +47,8 @@ def last_json(proc: subprocess.CompletedProcess[str]) -> dict:
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    raise AssertionError(f"no report from the child (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    raise AssertionError(f"no report from the child (rc {proc.returncode}):\n"
+                         f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
 
 def shell_array(script: Path, name: str) -> list[str]:

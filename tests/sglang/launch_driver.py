@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -33,20 +34,22 @@ def stand_in_scheduler(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, spawn_world_rank
 
+    with open("/proc/self/cmdline", "rb") as f:  # before configure_scheduler_process retitles the process
+        cmdline = f.read().decode().split("\0")
     load_plugins()
     dp_rank = resolve_spawn_dp_rank(dp_rank)
     publish(server_args, role="scheduler", ranks=SpawnRanks(
         world_rank=spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=pp_rank), dp_rank=dp_rank, gpu_id=gpu_id))
     configure_scheduler_process(server_args, gpu_id, *display_ranks)
-    me = psutil.Process()
     parallel = get_parallel()
     pipe_writer.send({
         "status": "ready", "max_total_num_tokens": 64, "max_req_input_len": 32,
         "pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgrp(), "title": setproctitle.getproctitle(),
-        "cmdline": me.cmdline(), "tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": dp_rank,
+        "cmdline": cmdline, "title_cmdline": psutil.Process().cmdline()[0],
+        "tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": dp_rank,
         "published": {"tp_rank": parallel.tp_rank, "pp_rank": parallel.pp_rank, "dp_rank": parallel.dp_rank,
                       "tp_size": parallel.tp_size, "pp_size": parallel.pp_size},
-        "sigterm": str(signal.getsignal(signal.SIGTERM)),
+        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
     })
     while True:
         time.sleep(1)
@@ -74,9 +77,14 @@ def _tree() -> list[dict]:
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            out.append({"pid": p.pid, "ppid": p.ppid(), "title": " ".join(p.cmdline()), "status": p.status()})
-        except psutil.Error:
-            pass
+            entry = {"pid": p.pid, "status": p.status()}
+        except psutil.NoSuchProcess:
+            continue
+        try:
+            entry["title"] = " ".join(p.cmdline())
+        except psutil.Error:  # a zombie has no command line left
+            entry["title"] = None
+        out.append(entry)
     return out
 
 
@@ -92,7 +100,7 @@ def main() -> None:
 
     result, procs = _launch(args)
     report = {
-        "main": {"pid": os.getpid(), "pgid": os.getpgrp(), "start_method": __import__("multiprocessing").get_start_method(),
+        "main": {"pid": os.getpid(), "pgid": os.getpgrp(), "start_method": multiprocessing.get_start_method(),
                  "sigquit": str(signal.getsignal(signal.SIGQUIT))},
         "infos": result.scheduler_infos, "all_child_pids": result.all_child_pids,
         "procs": [p.pid for p in procs], "tree": _tree(),

@@ -5,12 +5,20 @@ from __future__ import annotations
 import re
 from importlib.metadata import PackageNotFoundError, version
 
-from tests.sglang.cpu_env import INSTALL_SCRIPT, REPO, VLLM_SCRIPT, last_json, run_python, shell_array, shell_pins, \
-    shell_value
+from tests.sglang.cpu_env import (
+    INSTALL_SCRIPT,
+    REPO,
+    VLLM_SCRIPT,
+    last_json,
+    run_python,
+    shell_array,
+    shell_pins,
+    shell_value,
+)
 
 
 def test_sglang_is_the_pinned_release_on_the_cpu_torch() -> None:
-    """The release the script pins, the one pyproject records, on torch 2.13.0's CPU build, not the 2.14.1 SGLang asks for."""
+    """The release the script pins and pyproject records, on torch 2.13.0's CPU build (SGLang asks for 2.14.1)."""
     import torch
 
     want = shell_value(INSTALL_SCRIPT, "SGLANG_VERSION")
@@ -67,7 +75,7 @@ def test_vllm_modules_still_import_next_to_sglang(sgl_scratch) -> None:
 
 
 def test_without_the_declared_schemas_torchvision_does_not_import(sgl_scratch) -> None:
-    """The one stub is needed, and is all that is: without it the CUDA torchvision wheel fails on `nms`; with it, it imports."""
+    """The one stub is needed and enough: without it the CUDA torchvision fails on `nms`; with it, it imports."""
     bare = run_python("import torchvision", sgl_scratch, extra={"PYTHONPATH": str(REPO)})
     assert bare.returncode != 0
     assert "operator torchvision::nms does not exist" in bare.stderr

@@ -82,50 +82,64 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_tp2_pp2_schedulers_are_spawned_titled_children_of_main_in_its_group(launch) -> None:
-    """One scheduler per (PP, TP) rank: spawned, children of main, its process group, `sglang::scheduler_PP<k>_TP<r>`."""
-    main = launch("report", "--tp", "2", "--pp", "2")
-    report = main.report()
-    infos = report["infos"]
-    assert report["main"]["start_method"] == "spawn"
+@pytest.fixture(scope="module")
+def tree(sgl_scratch, tmp_path_factory) -> Iterator[dict]:
+    """One TP = 2, PP = 2 launch whose main reports its tree, then kill_process_tree(include_parent=False)s it."""
+    main = Main(sgl_scratch, tmp_path_factory.mktemp("tree"), "kill-tree", "--tp", "2", "--pp", "2")
+    try:
+        report = main.report()
+        report["rc"] = main.wait()
+        yield report
+    finally:
+        main.kill()
+
+
+def test_tp2_pp2_schedulers_are_spawned_titled_children_of_main_in_its_group(tree) -> None:
+    """One scheduler per (PP, TP) rank: spawned children of main, in its group, `sglang::scheduler_PP<k>_TP<r>`."""
+    infos = tree["infos"]
+    assert tree["main"]["start_method"] == "spawn"
     assert sorted((i["pp_rank"], i["tp_rank"]) for i in infos) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for info in infos:
         assert info["title"] == f"sglang::scheduler_PP{info['pp_rank']}_TP{info['tp_rank']}"
-        assert info["ppid"] == report["main"]["pid"] and info["pgid"] == report["main"]["pgid"]
+        assert info["title_cmdline"] == info["title"]  # what ps and /proc/<pid>/cmdline show
+        assert info["ppid"] == tree["main"]["pid"] and info["pgid"] == tree["main"]["pgid"]
         assert "from multiprocessing.spawn import spawn_main" in " ".join(info["cmdline"])
         assert info["published"]["tp_rank"] == info["tp_rank"] and info["published"]["pp_rank"] == info["pp_rank"]
         assert info["dp_rank"] is None
-        assert info["sigterm"] == "Handlers.SIG_DFL", "SGLang's scheduler installs no SIGTERM handler"
-    assert sorted(report["all_child_pids"]) == sorted(report["procs"]) == sorted(i["pid"] for i in infos)
+        assert info["sigterm_default"] is True, "SGLang's scheduler installs no SIGTERM handler"
+    assert sorted(tree["all_child_pids"]) == sorted(tree["procs"]) == sorted(i["pid"] for i in infos)
 
 
-def test_tp1_scheduler_is_titled_without_a_rank(launch) -> None:
-    """At TP = PP = DP = 1 the one scheduler's title is plain `sglang::scheduler`."""
-    report = launch("report").report()
-    assert [i["title"] for i in report["infos"]] == ["sglang::scheduler"]
+def test_kill_process_tree_sigkills_every_descendant_and_waits_until_they_are_dead(tree) -> None:
+    """include_parent=False: every descendant is SIGKILLed and dead (a zombie at most) when it returns; main lives on.
 
-
-def test_kill_process_tree_sigkills_every_descendant_and_waits_until_they_are_dead(launch) -> None:
-    """include_parent=False: every scheduler is SIGKILLed and dead (a zombie at most) when it returns; main lives on."""
-    main = launch("kill-tree", "--tp", "2")
-    report = main.report()
-    assert len(report["procs"]) == 2
-    assert all(p["status"] == psutil.STATUS_ZOMBIE for p in report["after"]), report["after"]
-    assert main.wait() == 0
+    Every descendant: multiprocessing's resource tracker (spawn starts one in
+    main) is SIGKILLed with the schedulers, so it never unlinks what they leaked.
+    """
+    schedulers = set(tree["procs"])
+    others = {p["pid"]: p["title"] for p in tree["tree"] if p["pid"] not in schedulers}
+    assert all("resource_tracker" in title for title in others.values()), others
+    assert {p["pid"] for p in tree["after"]} == schedulers | set(others)
+    assert all(p["status"] == psutil.STATUS_ZOMBIE for p in tree["after"]), tree["after"]
+    assert tree["rc"] == 0
 
 
 def test_kill_process_tree_with_the_parent_sigkills_main_before_anything_after_it_runs(launch) -> None:
-    """include_parent=True from main: the children, then main itself, by SIGKILL; the line after the call never runs."""
-    main = launch("kill-tree-and-self", "--tp", "2")
-    children = main.report()["procs"]
+    """include_parent=True from main: the child, then main itself, by SIGKILL; the line after the call never runs.
+
+    TP = PP = DP = 1 here: the one scheduler's title is plain `sglang::scheduler`.
+    """
+    main = launch("kill-tree-and-self")
+    report = main.report()
+    assert [i["title"] for i in report["infos"]] == ["sglang::scheduler"]
     assert main.wait() == -signal.SIGKILL
     assert "still running" not in main.out
-    wait_for(lambda: all(_gone(pid) for pid in children), timeout=20)
+    wait_for(lambda: all(_gone(pid) for pid in report["procs"]), timeout=20)
 
 
 def test_a_scheduler_dies_with_its_parent(launch) -> None:
-    """"Kill myself when my parent dies" (PR_SET_PDEATHSIG, SIGKILL): SIGKILL main alone and the schedulers follow."""
-    main = launch("wait", "--tp", "2")
+    """"Kill myself when my parent dies" (PR_SET_PDEATHSIG, SIGKILL): SIGKILL main alone and the scheduler follows."""
+    main = launch("wait")
     children = main.report()["procs"]
     assert not any(_gone(pid) for pid in children)
     os.kill(main.proc.pid, signal.SIGKILL)
@@ -134,8 +148,8 @@ def test_a_scheduler_dies_with_its_parent(launch) -> None:
 
 
 def test_main_arms_the_launch_phase_sigquit_handler(launch) -> None:
-    """_set_envs_and_config installs main's SIGQUIT handler (the one a failing child signals); SIGQUIT kills the tree."""
-    main = launch("wait", "--tp", "2")
+    """_set_envs_and_config installs main's SIGQUIT handler (what a failing child signals); it kills the tree."""
+    main = launch("wait")
     report = main.report()
     assert "launch_phase_sigquit_handler" in report["main"]["sigquit"]
     os.kill(main.proc.pid, signal.SIGQUIT)

@@ -66,12 +66,13 @@ import sglang.srt.utils.common as common
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-original_kill = common.kill_process_tree
+original_kill = common.kill_process_tree  # a module-level alias, as any module could hold
+KEEP = {"kill": common.kill_process_tree}  # held inside a container: out of HookRegistry's reach
 load_plugins()
 load_plugins()  # a second call does nothing
 
 executed = sorted(m.split(": ")[1] for m in records if m.startswith("Executed general plugin"))
-failed = sorted(m.split("plugin ")[1] for m in records if m.startswith("Failed to execute general plugin"))
+failed = sorted(m.rsplit(" ", 1)[1] for m in records if m.startswith("Failed to execute general plugin"))
 skipped = sorted(m.split(" ")[2] for m in records if m.startswith("Skipping plugin"))
 load_failed = sorted(m.split(" ")[4] for m in records if m.startswith("Failed to load plugin"))
 report = {"executed": executed, "failed": failed, "skipped": skipped, "load_failed": load_failed,
@@ -85,8 +86,9 @@ if "kvtest_hooks" in executed:
     raw = engine.Engine.__dict__["_launch_scheduler_processes"]
     report.update(
         calls=[list(c[:1]) + [list(c[1]) if isinstance(c[1], tuple) else c[1]] for c in kvtestplug.CALLS],
-        rebound=[engine.kill_process_tree is common.kill_process_tree, utils.kill_process_tree is common.kill_process_tree],
-        wrapped_original=common.kill_process_tree.__wrapped__ is original_kill,
+        rebound=[mod.kill_process_tree is common.kill_process_tree for mod in (engine, utils)],
+        wrapped_original=common.kill_process_tree.__wrapped__ is KEEP["kill"],
+        alias_rebound=original_kill is common.kill_process_tree,
         name=common.kill_process_tree.__name__,
         classmethod_kept=isinstance(raw, classmethod),
     )
@@ -119,13 +121,20 @@ def _load(sgl_scratch: str, plugin_path: str, allow: str | None = None) -> dict:
 
 
 def test_every_plugin_of_the_group_runs_and_its_hooks_reach_stale_from_imports(sgl_scratch, plugin_path) -> None:
-    """Without SGLANG_PLUGINS both run; the hooks apply, also to `from ... import` bindings made before them."""
+    """Without SGLANG_PLUGINS both run; the hooks apply, also to `from ... import` bindings made before them.
+
+    The rebinding walks every module in sys.modules: a module-level alias of
+    the original (a patch kit's saved "original", say) is rewritten to the
+    wrapper too; only a reference inside a container keeps the original.
+    """
     report = _load(sgl_scratch, plugin_path)
     assert report["executed"] == ["kvtest_hooks"]
     assert report["failed"] == ["kvtest_raises"]
     assert report["calls"] == [["kill_process_tree", [12345]], ["alloc", 3]]
     assert report["rebound"] == [True, True]
     assert report["wrapped_original"] is True and report["name"] == "kill_process_tree"
+    # Every module-level name bound to the original is rebound, __main__'s own alias included.
+    assert report["alias_rebound"] is True
     assert report["classmethod_kept"] is True
 
 
@@ -136,22 +145,49 @@ def test_a_plugin_that_raises_is_logged_and_the_hooks_it_registered_still_apply(
     assert report["patched"] == ["sglang.srt.utils.common.get_bool_env_var"]
 
 
-@pytest.mark.parametrize(("allow", "executed", "skipped"), [
-    ("kvtest_hooks", ["kvtest_hooks"], ["kvtest_raises"]),
-    (" kvtest_raises , other ", [], ["kvtest_hooks"]),
-    ("", ["kvtest_hooks"], []),
-    (",", [], ["kvtest_hooks", "kvtest_raises"]),
-])
-def test_sglang_plugins_is_a_comma_separated_allow_list_of_entry_point_names(sgl_scratch, plugin_path, allow,
-                                                                             executed, skipped) -> None:
-    """Names are stripped; empty means no list (all run); a list of only commas allows nothing."""
-    report = _load(sgl_scratch, plugin_path, allow=allow)
-    assert report["executed"] == executed
-    assert report["skipped"] == skipped
+ALLOW_LISTS = '''
+import json, logging, os
+import sglang.srt.plugins as plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+logging.getLogger("sglang.srt.plugins").addHandler(Keep())
+logging.getLogger("sglang.srt.plugins").setLevel(logging.INFO)
+out = {}
+for allow in CASES:
+    os.environ["SGLANG_PLUGINS"] = allow
+    records.clear()
+    plugins._plugins_loaded = False  # SGLang's once-per-process guard, reset between cases
+    HookRegistry.reset()
+    plugins.load_plugins()
+    out[allow] = {
+        "executed": sorted(m.split(": ")[1] for m in records if m.startswith("Executed general plugin")),
+        "skipped": sorted(m.split(" ")[2] for m in records if m.startswith("Skipping plugin")),
+    }
+print(json.dumps(out))
+'''
+
+
+def test_sglang_plugins_is_a_comma_separated_allow_list_of_entry_point_names(sgl_scratch, plugin_path) -> None:
+    """Names are stripped; empty means no list (all run); only commas allow nothing. Read at each load."""
+    cases = {
+        "kvtest_hooks": {"executed": ["kvtest_hooks"], "skipped": ["kvtest_raises"]},
+        " kvtest_raises , other ": {"executed": [], "skipped": ["kvtest_hooks"]},
+        "": {"executed": ["kvtest_hooks"], "skipped": []},
+        ",": {"executed": [], "skipped": ["kvtest_hooks", "kvtest_raises"]},
+    }
+    from tests.sglang.cpu_env import child_env
+
+    extra = {"PYTHONPATH": plugin_path + ":" + child_env(sgl_scratch)["PYTHONPATH"]}
+    proc = run_python(ALLOW_LISTS.replace("CASES", repr(list(cases))), sgl_scratch, extra=extra)
+    assert last_json(proc) == cases
 
 
 def test_a_plugin_whose_module_fails_to_import_is_logged_and_skipped(sgl_scratch, plugin_path) -> None:
-    """ep.load() raising is logged ("Failed to load plugin ...") for each entry point; nothing runs, start-up goes on."""
+    """ep.load() raising is logged ("Failed to load plugin ...") per entry point; nothing runs, start-up goes on."""
     (Path(plugin_path) / "kvtestplug.py").write_text("raise ImportError('broken on purpose')\n")
     report = _load(sgl_scratch, plugin_path)
     assert report["load_failed"] == ["kvtest_hooks", "kvtest_raises"]

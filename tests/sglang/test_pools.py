@@ -18,7 +18,7 @@ def _mha(size: int = 64, page_size: int = 1, **kw):
 
 
 def test_mha_pool_has_one_k_and_one_v_buffer_per_layer_over_one_allocation() -> None:
-    """k_buffer/v_buffer: per layer, [size + page_size, heads, head_dim]; K and V are the halves of one tensor per layer."""
+    """k_buffer/v_buffer per layer, [size + page_size, heads, head_dim]: the two halves of one tensor per layer."""
     import torch
 
     pool = _mha(size=64, page_size=4)

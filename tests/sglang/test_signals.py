@@ -88,7 +88,7 @@ while True:
 
 
 def test_signal_handler_sigterm_only_asks_to_drain_and_sigquit_kills_the_tree_and_main(sgl_scratch) -> None:
-    """SIGTERM sets gracefully_exit and nothing else; SIGQUIT stops the watchdog, dumps, then SIGKILLs children and main."""
+    """SIGTERM sets gracefully_exit, nothing else; SIGQUIT stops the watchdog, dumps, SIGKILLs children and main."""
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SIGNAL_HANDLER)], env=child_env(sgl_scratch),
                             cwd=sgl_scratch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
