@@ -24,7 +24,7 @@ $(VENV)/.vllm: $(VENV)/.test scripts/install-vllm.sh
 	touch $@
 
 # SGLang goes in after vLLM, keeping vLLM's pins (scripts/install-sglang.sh reads them).
-$(VENV)/.sglang: $(VENV)/.vllm scripts/install-sglang.sh
+$(VENV)/.sglang: $(VENV)/.vllm scripts/install-sglang.sh scripts/torchvision_cpu_ops.py
 	. $(VENV)/bin/activate && bash scripts/install-sglang.sh
 	touch $@
 

@@ -16,9 +16,11 @@
 # - torchvision 0.28.0 (the release built against torch 2.13) goes in --no-deps
 #   (its metadata pulls a CUDA torch and its nvidia-* packages otherwise). Its
 #   _C library cannot load without libtorch_cuda, and then its import fails on
-#   two operator schemas it never defines (torchvision::nms, ::qnms). The tests
-#   declare those two schemas before anything imports torchvision
-#   (tests/sglang/cpu_env.py); this script's own check does the same.
+#   two operator schemas it never defines (torchvision::nms, ::qnms). Once it
+#   is installed, transformers imports it in vLLM's processes too; so this
+#   script puts scripts/torchvision_cpu_ops.py into the venv's site-packages
+#   with a .pth file that arms it at interpreter start: it declares the two
+#   schemas when torchvision is first imported (the one stub; docs/SGLANG.md).
 # - triton 3.7.1 (what torch 2.14.1 brings with SGLang) goes in --no-deps: it
 #   imports on a CPU machine, and SGLang's kernel modules decorate with it at
 #   import time; nothing here launches a kernel.
@@ -118,10 +120,6 @@ importable() {
 import importlib, os, sys, warnings
 warnings.simplefilter("ignore")
 import torch
-# The CUDA torchvision wheel defines these two schemas in the library it cannot load here.
-for op in ("nms", "qnms"):
-    if not hasattr(torch.ops.torchvision, op):
-        torch.library.define(f"torchvision::{op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 for m in sys.argv[1:]:
     importlib.import_module(m)
 from importlib.metadata import version
@@ -148,6 +146,14 @@ if ! grep -q '^numpy==' "$CONSTRAINTS"; then
     echo "install-sglang: could not read vLLM's pins from $HERE/install-vllm.sh" >&2
     exit 1
 fi
+
+# The torchvision shim: a module and the .pth line that arms it, refreshed on every run (cheap, idempotent).
+SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+install_shim() {
+    cp "$HERE/torchvision_cpu_ops.py" "$SITE/_kvcached_torchvision_cpu.py"
+    echo "import _kvcached_torchvision_cpu; _kvcached_torchvision_cpu.install()" >"$SITE/_kvcached_torchvision_cpu.pth"
+}
+install_shim
 
 step() {
     local what=$1
@@ -193,10 +199,7 @@ fi
 if ! importable; then
     echo "install-sglang: installed, but the SGLang modules still do not import:" >&2
     "$PY" - "${MODULES[@]}" 2>&1 <<'EOF' | sed 's/^/  /' >&2
-import importlib, sys, torch
-for op in ("nms", "qnms"):
-    if not hasattr(torch.ops.torchvision, op):
-        torch.library.define(f"torchvision::{op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+import importlib, sys
 for m in sys.argv[1:]:
     try:
         importlib.import_module(m)

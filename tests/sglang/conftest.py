@@ -42,12 +42,9 @@ def sgl(sgl_scratch) -> Iterator[None]:
     TORCHINDUCTOR_CACHE_DIR, CUDA_CACHE_PATH, ...): they are put back, so that
     the later tests' children see the environment they would have seen.
     """
-    from tests.sglang.torchvision_ops import declare
-
     before = dict(os.environ)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGQUIT, signal.SIGINT)}
     os.environ["SGLANG_CACHE_DIR"] = sgl_scratch
-    declare()
     import sglang.srt.mem_cache.allocator  # noqa: F401
     import sglang.srt.mem_cache.memory_pool  # noqa: F401
     import sglang.srt.mem_cache.radix_cache  # noqa: F401

@@ -18,15 +18,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SITE = Path(__file__).resolve().parent / "cpu_site"
+SHIM = REPO / "scripts" / "torchvision_cpu_ops.py"
 INSTALL_SCRIPT = REPO / "scripts" / "install-sglang.sh"
 VLLM_SCRIPT = REPO / "scripts" / "install-vllm.sh"
 
 
 def child_env(scratch: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of an SGLang child: the torchvision declaration on its path, SGLang's caches in `scratch`."""
+    """The environment of an SGLang child: this repository importable (tests.sglang), SGLang's caches in `scratch`."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["SGLANG_CACHE_DIR"] = scratch
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("SGLANG_PLUGINS", None)

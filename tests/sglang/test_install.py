@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+import sysconfig
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from tests.sglang.cpu_env import (
     INSTALL_SCRIPT,
@@ -74,16 +76,26 @@ def test_vllm_modules_still_import_next_to_sglang(sgl_scratch) -> None:
     assert last_json(proc) == {"vllm": shell_value(VLLM_SCRIPT, "VLLM_VERSION")}
 
 
-def test_without_the_declared_schemas_torchvision_does_not_import(sgl_scratch) -> None:
-    """The one stub is needed and enough: without it the CUDA torchvision fails on `nms`; with it, it imports."""
-    bare = run_python("import torchvision", sgl_scratch, extra={"PYTHONPATH": str(REPO)})
-    assert bare.returncode != 0
-    assert "operator torchvision::nms does not exist" in bare.stderr
-    declared = run_python("""
-        import json
-        from tests.sglang.torchvision_ops import declare
-        declare()
+def test_the_torchvision_shim_is_installed_needed_and_enough(sgl_scratch) -> None:
+    """The one stub, armed in every process of the venv: without it the CUDA torchvision fails on `nms`; with it, it imports.
+
+    Every process: once torchvision is installed, transformers imports it in
+    vLLM's processes too, so vLLM's tests need it as much as SGLang's.
+    """
+    site = sysconfig.get_paths()["purelib"]
+    assert Path(site, "_kvcached_torchvision_cpu.py").read_text() == SHIM.read_text()
+    assert Path(site, "_kvcached_torchvision_cpu.pth").read_text().startswith("import _kvcached_torchvision_cpu;")
+    disarmed = run_python("""
+        import sys
+        sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "DeclareBeforeTorchvision"]
         import torchvision
-        print(json.dumps({"version": torchvision.__version__}))
-    """, sgl_scratch, extra={"PYTHONPATH": str(REPO)})
-    assert last_json(declared) == {"version": "0.28.0+cu130"}  # the CUDA 13 build
+    """, sgl_scratch)
+    assert disarmed.returncode != 0
+    assert "operator torchvision::nms does not exist" in disarmed.stderr
+    armed = run_python("""
+        import json, sys
+        import torchvision, torch
+        print(json.dumps({"version": torchvision.__version__, "nms": hasattr(torch.ops.torchvision, "nms"),
+                          "finder_left": any(type(f).__name__ == "DeclareBeforeTorchvision" for f in sys.meta_path)}))
+    """, sgl_scratch)
+    assert last_json(armed) == {"version": "0.28.0+cu130", "nms": True, "finder_left": False}  # the CUDA 13 build
