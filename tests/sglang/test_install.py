@@ -10,6 +10,7 @@ from pathlib import Path
 from tests.sglang.cpu_env import (
     INSTALL_SCRIPT,
     REPO,
+    SHIM,
     VLLM_SCRIPT,
     last_json,
     run_python,
@@ -77,7 +78,7 @@ def test_vllm_modules_still_import_next_to_sglang(sgl_scratch) -> None:
 
 
 def test_the_torchvision_shim_is_installed_needed_and_enough(sgl_scratch) -> None:
-    """The one stub, armed in every process of the venv: without it the CUDA torchvision fails on `nms`; with it, it imports.
+    """The one stub, armed in every process of the venv: without it torchvision fails on `nms`; with it, it imports.
 
     Every process: once torchvision is installed, transformers imports it in
     vLLM's processes too, so vLLM's tests need it as much as SGLang's.
