@@ -28,6 +28,17 @@ import torch
 LAYERS, HEADS, HEAD_DIM = 3, 8, 64  # fp16: 1 KiB per token per K (and per V) per layer
 PAGE = 64 * 1024  # KVCACHED_PAGE_SIZE in these tests: 64 tokens make a group at page size 1
 TOKEN_BYTES = 2 * LAYERS * HEADS * HEAD_DIM * 2  # K and V of every layer, one token
+GROUP_TOKENS = PAGE // (HEADS * HEAD_DIM * 2)  # tokens whose K of one layer fill a page: 64
+GROUP_BYTES = GROUP_TOKENS * TOKEN_BYTES  # what one group costs: a page per layer for K and for V
+
+
+def check_or_fail(elastic: bool, check: Any) -> None:
+    """Run `check`; with SGLang's own classes it must fail: the claim is kvcached's, not SGLang's."""
+    if elastic:
+        check()
+    else:
+        with pytest.raises(AssertionError):
+            check()
 
 
 @pytest.fixture
@@ -117,8 +128,11 @@ class Driver:
     running: list[Req] = field(default_factory=list)
     steps: int = 0
     retracted: int = 0
+    aborted: int = 0  # requests that could not fit even alone (SGLang aborts them)
     refused: int = 0  # allocations that returned None (the scheduler had been told there was room: a bug)
-    each: Any = None  # called after every allocation, and after every step
+    each: Any = None  # called after every step
+    on_alloc: Any = None  # called after every allocation
+    after_boundary: Any = None  # called right after the step boundary
 
     def add(self, reqs: list[Req]) -> None:
         self.waiting.extend(reqs)
@@ -134,6 +148,8 @@ class Driver:
         """One event-loop iteration."""
         if hasattr(self.alloc, "step"):
             self.alloc.step(self.idle, self.cache)
+        if self.after_boundary is not None:
+            self.after_boundary(self)
         self._admit()
         self._decode()
         for r in [r for r in self.running if r.done >= r.gen]:
@@ -152,8 +168,8 @@ class Driver:
     def _got(self, out: Any) -> Any:
         if out is None:
             self.refused += 1
-        elif self.each is not None:
-            self.each(self)
+        elif self.on_alloc is not None:
+            self.on_alloc(self)
         return out
 
     def _admit(self) -> None:
@@ -191,7 +207,10 @@ class Driver:
             if self.alloc.check_decode_capacity(num_tokens=need, tree_cache=self.cache):
                 break
             if len(self.running) == 1:
+                # Alone and still short: SGLang aborts it ("Out of memory even after retracting ...").
                 self._retract(self.running[-1])
+                self.waiting.pop(0)
+                self.aborted += 1
                 return
             self._retract(self.running[-1])
         if not self.running:

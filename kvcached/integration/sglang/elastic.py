@@ -255,5 +255,5 @@ PATCH = Patch(
     switch=switch,
 )
 
-#: The patches of elastic KV for SGLang, for the plugin's registry (one line: `*ELASTIC_PATCHES`).
-ELASTIC_PATCHES: tuple[Patch, ...] = (PATCH,)
+#: The patches of elastic KV for SGLang, for the plugin's registry (`patches.py`).
+PATCHES: tuple[Patch, ...] = (PATCH,)
