@@ -34,13 +34,14 @@ def fresh_warnings(monkeypatch) -> None:
     (settings.LIMIT, "1.5GiB", Amount(bytes=3 << 29)),
     (settings.ROOT, "/tmp/x", "/tmp/x"), (settings.IPC_NAME, "prod a", "prod a"),
     (settings.VLLM_PLUGINS, "", ""),  # blank means something here: an allow-list naming no plugin
+    (settings.SGLANG_PLUGINS, "  ", "  "),  # for SGLang, blanks are a list naming no plugin (and "" is no list)
     (settings.KVCTL_LOCK, "/run/x.lock", "/run/x.lock"),
 ])
 def test_values_parse(setting: Setting, raw: str, want: object) -> None:
     assert setting.get({setting.name: raw}) == want
 
 
-@pytest.mark.parametrize("setting", [s for s in settings.ALL if s.name != "VLLM_PLUGINS"])
+@pytest.mark.parametrize("setting", [s for s in settings.ALL if s.name not in ("VLLM_PLUGINS", "SGLANG_PLUGINS")])
 def test_unset_and_blank_mean_the_default(setting: Setting) -> None:
     assert setting.get({}) == setting.default
     assert setting.get({setting.name: "  "}) == setting.default
@@ -173,7 +174,8 @@ def test_readme_documents_every_declared_variable_and_only_those() -> None:
     declared = {s.name for s in settings.ALL}
     assert declared - documented == set(), "declared in kvcached/settings.py, missing from README's tables"
     ours = {n for n in documented if OWN.match(n)}
-    script_only = {"KVCACHED_WHEELHOUSE", "KVCACHED_SOAK", "KVCACHED_REQUIRE_VLLM", "KVCACHED_REQUIRE_SGLANG"}  # README's "script variable" table: not our code's
+    # README's "script variable" table: not our code's
+    script_only = {"KVCACHED_WHEELHOUSE", "KVCACHED_SOAK", "KVCACHED_REQUIRE_VLLM", "KVCACHED_REQUIRE_SGLANG"}
     assert ours - declared == script_only
     for name in script_only:  # and indeed read by no module of kvcached or kvctl
         assert not any(name in f.read_text() for f in _code_files()), name
