@@ -250,9 +250,9 @@ OWNER_RETRY_S = Setting("KVCACHED_OWNER_RETRY_S", "seconds", 60.0,
 PAGE_SIZE = Setting("KVCACHED_PAGE_SIZE", "bytes", 2 << 20,
                     "bytes per page of the elastic KV buffer (smaller than 2 MiB only on the CPU backend)", page_bytes)
 ELASTIC_RESERVE_PAGES = Setting("KVCACHED_ELASTIC_RESERVE_PAGES", "count", 1,
-                                "free pages the elastic block pool keeps mapped for the next requests", count)
+                                "free pages (vLLM) or groups (SGLang) elastic KV keeps mapped for the next requests", count)
 ELASTIC_RELEASE_DELAY_S = Setting("KVCACHED_ELASTIC_RELEASE_DELAY_S", "seconds", 1.0,
-                                  "how long a free page stays mapped while requests run", seconds(0))
+                                  "how long a free page (SGLang: group) stays mapped while requests run", seconds(0))
 
 # The page extension (read by its C++, csrc/, and by the build).
 NVIDIA_GPUS_DIR = Setting("KVCACHED_NVIDIA_GPUS_DIR", "path", "/proc/driver/nvidia/gpus",

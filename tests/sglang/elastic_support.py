@@ -18,7 +18,6 @@ cases), so every claim about elastic memory is shown to fail without kvcached.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,21 +38,6 @@ def check_or_fail(elastic: bool, check: Any) -> None:
     else:
         with pytest.raises(AssertionError):
             check()
-
-
-@pytest.fixture
-def elastic_env(layout, uniq, monkeypatch) -> Iterator[str]:
-    """What the patch reads in a scheduler process: 64 KiB pages, no release delay, no reserve; a private node root.
-
-    The deployment's segment, looked up by name when a test claims none, is
-    then under the test's own root, never the node's /dev/shm.
-    """
-    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(PAGE))
-    monkeypatch.setenv("KVCACHED_ELASTIC_RELEASE_DELAY_S", "0")
-    monkeypatch.setenv("KVCACHED_ELASTIC_RESERVE_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_ROOT", layout.root)
-    monkeypatch.setenv("KVCACHED_IPC_NAME", uniq)
-    yield uniq
 
 
 def mha_pool(elastic: bool, size: int, page_size: int = 1, **kw: Any) -> Any:

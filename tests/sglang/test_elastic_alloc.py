@@ -23,7 +23,6 @@ pytestmark = [pytest.mark.sglang, pytest.mark.ext, pytest.mark.usefixtures("sgl"
 
 from ..conftest import KVCTL  # noqa: E402
 from . import elastic_support as es  # noqa: E402
-from .elastic_support import elastic_env  # noqa: E402,F401 - the fixture
 
 SIZE = 4096  # tokens: 64 groups
 both = pytest.mark.parametrize("elastic", [True, False], ids=["elastic", "sglang"])
@@ -257,11 +256,10 @@ def test_free_groups_stay_mapped_while_busy_and_go_when_idle(monkeypatch) -> Non
 
 
 def test_an_allocator_for_a_pool_that_is_not_elastic_is_sglangs_own() -> None:
+    import torch
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 
     from kvcached.integration.sglang.elastic_alloc import ElasticPagedAllocator, ElasticTokenAllocator
-
-    import torch
 
     stock = es.mha_pool(False, 1024)
     assert type(es.allocator(stock, True, 1024)) is TokenToKVPoolAllocator

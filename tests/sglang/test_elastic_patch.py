@@ -17,7 +17,6 @@ pytestmark = [pytest.mark.sglang, pytest.mark.ext]
 
 from . import elastic_support as es  # noqa: E402
 from .cpu_env import last_json, run_python  # noqa: E402
-from .elastic_support import elastic_env  # noqa: E402,F401 - the fixture
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ pytest.importorskip("kvcached.runtime._kvpages", reason="kvcached.runtime._kvpag
 pytestmark = [pytest.mark.sglang, pytest.mark.ext, pytest.mark.usefixtures("sgl", "elastic_env")]
 
 from . import elastic_support as es  # noqa: E402
-from .elastic_support import elastic_env  # noqa: E402,F401 - the fixture
 
 
 def test_aligned_rows_fill_whole_physical_pages_and_whole_sglang_pages() -> None:
