@@ -27,7 +27,7 @@ from .enums import Category, EngineKind, KillOutcome, Kind, Outcome, State
 from .errors import InvalidName, KvcachedError
 from .layout import Layout
 from .names import may_hold_state, rpc_dirs
-from .report import Entry, Report
+from .report import Report
 
 if TYPE_CHECKING:
     from .cleanup import Plan

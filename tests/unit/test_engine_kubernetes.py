@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 
-
 K8S_VERSION = "1.34.0"
 HERE = Path(__file__).parents[2] / "contrib/kubernetes"
 MANIFESTS = sorted(HERE.glob("*.yaml"))
