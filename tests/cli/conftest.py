@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pytest
 from typer.testing import CliRunner
 
 from kvctl.cli import app
+
+from ..schemas import validate
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "kvctl" / "schemas"
@@ -32,20 +33,6 @@ class Run:
         if schema:
             validate(doc, schema)
         return doc
-
-
-def _registry() -> Any:
-    """Every schema of kvctl/schemas/ by its $id, so that gc.json's and inspect.json's `engine_entry.json` resolve."""
-    from referencing import Registry, Resource
-
-    docs = [json.loads(p.read_text()) for p in sorted(SCHEMAS.glob("*.json"))]
-    return Registry().with_resources((d["$id"], Resource.from_contents(d)) for d in docs)
-
-
-def validate(doc: Any, name: str) -> None:
-    """Check `doc` against kvctl/schemas/<name>.json (the documented contract), its references resolved offline."""
-    schema = json.loads((SCHEMAS / f"{name}.json").read_text())
-    jsonschema.Draft202012Validator(schema, registry=_registry()).validate(doc)
 
 
 def invoke(*args: str, input: str | None = None, env: dict[str, str] | None = None) -> Run:
