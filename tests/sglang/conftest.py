@@ -53,3 +53,13 @@ def sgl(sgl_scratch) -> Iterator[None]:
     os.environ.update(before)
     assert {s: signal.getsignal(s) for s in handlers} == handlers, "importing SGLang changed a signal handler"
     yield
+
+
+@pytest.fixture(scope="session")
+def zygote(sgl_scratch) -> Iterator:
+    """The process the tests' SGLang mains are forked from (tests/sglang/zygote.py), started once per session."""
+    from tests.sglang.serves import Zygote
+
+    z = Zygote(sgl_scratch)
+    yield z
+    z.close()
