@@ -213,7 +213,7 @@ ENABLE_KVCACHED = Setting("ENABLE_KVCACHED", "flag", False,
                           "upstream kvcached's switch: turns the vLLM and SGLang plugins on", flag)
 ENABLE = Setting("KVCACHED_ENABLE", "flag", False, "turns the vLLM and SGLang plugins on", flag)
 ELASTIC = Setting("KVCACHED_ELASTIC", "flag", False,
-                  "elastic KV memory (vLLM's elastic-kv patch, SGLang's elastic patches); also turns the plugins on",
+                  "elastic KV memory (vLLM's elastic-kv patch, SGLang's sglang-elastic-kv); also turns the plugins on",
                   flag)
 VLLM_PLUGINS = Setting[str | None]("VLLM_PLUGINS", "list", None,
                                    "vLLM's own plugin allow-list (comma-separated); must name kvcached when set",
@@ -246,11 +246,20 @@ OWNER_RETRY_S = Setting("KVCACHED_OWNER_RETRY_S", "seconds", 60.0,
                         "how long the engine owner keeps retrying cleanup of nodes still served after shutdown",
                         seconds(0))
 
+# The start-up sweep: an engine that starts with kvcached removes what gc proves dead, in the background.
+STARTUP_SWEEP = Setting("KVCACHED_STARTUP_SWEEP", "flag", True,
+                        "a starting engine sweeps the provably stale kvcached state of its own uid on the node, in "
+                        "the background (off: 0)", flag)
+STARTUP_SWEEP_ENGINES = Setting("KVCACHED_STARTUP_SWEEP_ENGINES", "flag", False,
+                                "the start-up sweep also removes the engines' own dead leftovers of its uid (vLLM, "
+                                "SGLang, NCCL, CUDA IPC), as kvctl gc --engines does", flag)
+
 # Elastic KV memory.
 PAGE_SIZE = Setting("KVCACHED_PAGE_SIZE", "bytes", 2 << 20,
                     "bytes per page of the elastic KV buffer (smaller than 2 MiB only on the CPU backend)", page_bytes)
 ELASTIC_RESERVE_PAGES = Setting("KVCACHED_ELASTIC_RESERVE_PAGES", "count", 1,
-                                "free pages (vLLM) or groups (SGLang) elastic KV keeps mapped for the next requests", count)
+                                "free pages (vLLM) or groups (SGLang) elastic KV keeps mapped for the next requests",
+                                count)
 ELASTIC_RELEASE_DELAY_S = Setting("KVCACHED_ELASTIC_RELEASE_DELAY_S", "seconds", 1.0,
                                   "how long a free page (SGLang: group) stays mapped while requests run", seconds(0))
 
@@ -268,9 +277,12 @@ KVCTL_ROOT = Setting[str | None]("KVCTL_ROOT", "path", None,
                                  "default for kvctl --root (read by kvctl's command line)", text)
 KVCTL_LOCK = Setting[str | None]("KVCTL_LOCK", "path", None, "path of kvctl gc's node-wide lock file",
                                  absolute_path)
+KVCTL_EVERY_MIN_S = Setting("KVCTL_EVERY_MIN_S", "seconds", 10.0,
+                            "the shortest DURATION kvctl gc --every accepts (tests set a tiny one)", seconds(0.001))
 
 ALL: tuple[Setting[Any], ...] = (
-    ENABLE_KVCACHED, ENABLE, ELASTIC, VLLM_PLUGINS, SGLANG_PLUGINS, IPC_NAME, ROOT, DP_SERVE, LIMIT, PUBLISH_INTERVAL_S,
-    OWNER_EXIT_WAIT_S, OWNER_RETRY_S, PAGE_SIZE, ELASTIC_RESERVE_PAGES, ELASTIC_RELEASE_DELAY_S, NVIDIA_GPUS_DIR,
-    NO_CUDA, REQUIRE_EXT, KVCTL_ROOT, KVCTL_LOCK,
+    ENABLE_KVCACHED, ENABLE, ELASTIC, VLLM_PLUGINS, SGLANG_PLUGINS, IPC_NAME, ROOT, DP_SERVE, LIMIT,
+    PUBLISH_INTERVAL_S, OWNER_EXIT_WAIT_S, OWNER_RETRY_S, STARTUP_SWEEP, STARTUP_SWEEP_ENGINES, PAGE_SIZE,
+    ELASTIC_RESERVE_PAGES, ELASTIC_RELEASE_DELAY_S, NVIDIA_GPUS_DIR, NO_CUDA, REQUIRE_EXT, KVCTL_ROOT, KVCTL_LOCK,
+    KVCTL_EVERY_MIN_S,
 )

@@ -70,3 +70,13 @@ def elastic_env(layout, uniq, monkeypatch) -> Iterator[str]:
     monkeypatch.setenv("KVCACHED_ROOT", layout.root)
     monkeypatch.setenv("KVCACHED_IPC_NAME", uniq)
     yield uniq
+
+
+@pytest.fixture(scope="session")
+def zygote(sgl_scratch) -> Iterator:
+    """The process the tests' SGLang mains are forked from (tests/sglang/zygote.py), started once per session."""
+    from tests.sglang.serves import Zygote
+
+    z = Zygote(sgl_scratch)
+    yield z
+    z.close()

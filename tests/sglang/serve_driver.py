@@ -86,6 +86,7 @@ def model_free_scheduler_class() -> type:
     """ModelFreeScheduler, a subclass of the real Scheduler (defined here: SGLang is imported by now)."""
     import threading
 
+    import setproctitle
     import torch
     import zmq
     from sglang.srt.managers.io_struct import ShutdownReq, sock_recv
@@ -116,6 +117,9 @@ def model_free_scheduler_class() -> type:
             self.metrics_reporter = type("Reporter", (), {"_shutdown_fpm": lambda self: None})()
             self.async_d2h_worker = None
             parallel = get_parallel()
+            _write(f"{os.environ['KVTEST_REPORT']}.sched-{os.getpid()}", {
+                "pid": os.getpid(), "tp_rank": parallel.tp_rank, "pp_rank": parallel.pp_rank,
+                "dp_rank": parallel.dp_rank, "title": setproctitle.getproctitle(), "applied": applied()})
             self.recv_from_tokenizer = None
             if parallel.pp_rank == 0 and parallel.attn_tp_rank == 0:  # init_ipc_channels' rank zero
                 self.recv_from_tokenizer = get_zmq_socket(zmq.Context(1), zmq.PULL,
@@ -147,6 +151,7 @@ def stand_in_detokenizer(server_args, port_args) -> None:  # noqa: ANN001
     kill_itself_when_parent_died()
     setproctitle.setproctitle("sglang::detokenizer")
     load_plugins()
+    _write(f"{os.environ['KVTEST_REPORT']}.detok-{os.getpid()}", {"pid": os.getpid()})  # titled by now
     signal.pause()
 
 
@@ -177,13 +182,27 @@ class TokenizerSide:
         pass  # no requests were served
 
 
+def _write(path: str, obj: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+def _read(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
 def _state(root: str) -> list[str]:
-    """Every path under the test root's /dev/shm and /tmp (what kvcached made there)."""
+    """Every path under the test root's /dev/shm and /tmp (what kvcached made there), but the node's gc lock."""
+    from kvcached.node.gclock import LOCK_NAME
+
     out = []
     for top in ("dev/shm", "tmp"):
         for dirpath, dirs, files in os.walk(os.path.join(root, top)):
             out += [os.path.relpath(os.path.join(dirpath, n), root) for n in dirs + files]
-    return sorted(out)
+    # The start-up sweep (the claiming scheduler's) takes the gc lock at <root>/tmp; it stays, as kvctl gc's does.
+    return sorted(p for p in out if p != f"tmp/{LOCK_NAME}")
 
 
 def _launch(args: argparse.Namespace):  # noqa: ANN202 - SGLang's own types
@@ -195,8 +214,12 @@ def _launch(args: argparse.Namespace):  # noqa: ANN202 - SGLang's own types
     from sglang.srt.server_args import PortArgs, ServerArgs
 
     off = revert_off()  # the engine's patches applied when its module was imported, just now
+    # load_balance_method: what "auto" resolves to outside PD disaggregation; resolution stops early for a
+    # model_path of "dummy" (arg_groups/pipeline.py), before handle_load_balance_method, and the DP controller
+    # refuses "auto".
     server_args = ServerArgs(model_path="dummy", device="cpu", tp_size=args.tp, dp_size=args.dp,
-                             enable_dp_attention=args.dp_attention, log_level="info", skip_tokenizer_init=True)
+                             enable_dp_attention=args.dp_attention, log_level="info", skip_tokenizer_init=True,
+                             load_balance_method="round_robin")
     server_args.resolve_once()
     _set_envs_and_config(server_args)
     publish(server_args, role="tokenizer")
@@ -207,6 +230,11 @@ def _launch(args: argparse.Namespace):  # noqa: ANN202 - SGLang's own types
     if args.detokenizer:
         detok, _ = Engine._launch_detokenizer_subprocesses(server_args, port_args, stand_in_detokenizer)
         children += detok
+        # Ready once it carries its title (the test reads it): SGLang's main does not wait for it.
+        while not all(os.path.exists(f"{os.environ['KVTEST_REPORT']}.detok-{p.pid}") for p in detok):
+            if any(p.exitcode is not None for p in detok):
+                raise RuntimeError("kvtest: the detokenizer exited during its start")
+            time.sleep(0.05)
     return result, procs, children, port_args, off
 
 
@@ -222,16 +250,16 @@ def main() -> None:
     args = ap.parse_args()
     root = os.environ["KVCACHED_ROOT"]
 
+    os.environ["KVTEST_REPORT"] = args.report  # the schedulers, spawned with this environment, report there too
     result, procs, children, port_args, off = _launch(args)
+    sched = [_read(f"{args.report}.sched-{pid}") for pid in result.all_child_pids
+             if os.path.exists(f"{args.report}.sched-{pid}")]
     report = {"main": os.getpid(), "pgid": os.getpgrp(), "procs": [p.pid for p in procs],
               "children": [p.pid for p in children], "all_child_pids": list(result.all_child_pids),
-              "infos": result.scheduler_infos, "applied": applied(), "off": off}
+              "infos": result.scheduler_infos, "applied": applied(), "off": off, "sched": sched}
 
     def write(name: str, extra: dict) -> None:
-        tmp = f"{args.report}.{name}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(report | extra, f)
-        os.replace(tmp, f"{args.report}.{name}")
+        _write(f"{args.report}.{name}", report | extra)
 
     if args.mode == "offline":
         from sglang.srt.entrypoints.engine import Engine

@@ -13,15 +13,20 @@ import re
 from collections.abc import Callable
 
 from ... import settings
-from ...node.detectdoc import RAY_INSTALLED, Condition, EngineSection, Plugin
+from ...node.detectdoc import (
+    RAY_INSTALLED,
+    SGLANG_PLATFORM,
+    SGLANG_PLATFORM_COVERED,
+    SGLANG_RUST_SERVER,
+    Condition,
+    EngineSection,
+    Plugin,
+)
 from .. import enabled
 from ..patchkit import source
 from .common import COVERED_DEVICES, M_COMMON, M_ENGINE, M_SCHEDULER, M_TOKENIZER, module, plugin_allowed
 
-# Facts of the sglang section (strings or booleans; kvcached/schemas/detect.json).
-RUST_SERVER = "rust_server"  # SGLANG_RUST_SERVER is set here: serves started so are not covered
-PLATFORM = "platform"  # SGLang's platform here (its device name)
-PLATFORM_COVERED = "platform_covered"
+# Facts of the sglang section beyond those doctor reads (kvcached.node.detectdoc names those).
 EXIT_WAIT = "scheduler_exit_timeout_s"  # how long main waits for schedulers after ShutdownReq before SIGKILL
 KILL_WAITS = "kill_tree_waits"  # kill_process_tree waits for the processes it SIGKILLed
 
@@ -91,17 +96,18 @@ def facts() -> dict[str, bool | str | None]:
     """What doctor reports beside the patches: shapes kvcached does not cover, SGLang's stop timings."""
     out: dict[str, bool | str | None] = {RAY_INSTALLED: _installed("ray")}
     try:
-        out[RUST_SERVER] = bool(module("sglang.srt.environ").envs.SGLANG_RUST_SERVER.get())
+        out[SGLANG_RUST_SERVER] = bool(module("sglang.srt.environ").envs.SGLANG_RUST_SERVER.get())
     except Exception:
-        out[RUST_SERVER] = None
+        out[SGLANG_RUST_SERVER] = None
     try:
         from sglang.srt.platforms import current_platform
 
         name = str(getattr(current_platform, "device_name", None) or type(current_platform).__name__)
-        out[PLATFORM] = name
-        out[PLATFORM_COVERED] = name in COVERED_DEVICES
+        out[SGLANG_PLATFORM] = name
+        # "unknown": no device platform detected (SGLang's base platform); the serve's --device decides.
+        out[SGLANG_PLATFORM_COVERED] = None if name == "unknown" else name in COVERED_DEVICES
     except Exception:
-        out[PLATFORM] = out[PLATFORM_COVERED] = None
+        out[SGLANG_PLATFORM] = out[SGLANG_PLATFORM_COVERED] = None
     try:
         out[EXIT_WAIT] = str(module(M_TOKENIZER)._SCHEDULER_EXIT_TIMEOUT_SECS)
     except Exception:
