@@ -43,7 +43,7 @@ lint: $(VENV)/.lint
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-bench: $(VENV)/.vllm
+bench: $(VENV)/.sglang
 	$(PY) bench/run_all.py
 
 completions: $(VENV)/.base

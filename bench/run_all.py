@@ -12,7 +12,10 @@ another's measurement.
 3. bench_pages.py      extension map+unmap vs a bare mmap/munmap loop; pool alloc/free
 4. bench_elastic.py    vLLM's BlockPool vs kvcached's elastic one (cost per block), and
                        the memory mapped for a bursty trace vs vLLM's full preallocation
-5. bench_engines.py    plain gc against main's tree (must not be slower), and what `gc --engines`
+5. bench_sglang.py     SGLang's TokenToKVPoolAllocator vs kvcached's elastic one (cost per token, against
+                       the same pool and against a pool of what kvcached maps), and the memory mapped for a
+                       bursty trace vs the peak in use and SGLang's full preallocation
+6. bench_engines.py    plain gc against main's tree (must not be slower), and what `gc --engines`
                        adds over 1,000 psm_ files and 200 processes vs a bare maps-reading loop
 """
 
@@ -23,7 +26,8 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = [["bench_cli_start.py"], ["bench_gc.py"], ["bench_pages.py"], ["bench_elastic.py"], ["bench_engines.py"]]
+SCRIPTS = [["bench_cli_start.py"], ["bench_gc.py"], ["bench_pages.py"], ["bench_elastic.py"], ["bench_sglang.py"],
+           ["bench_engines.py"]]
 
 
 def main() -> int:

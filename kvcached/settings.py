@@ -209,14 +209,18 @@ def amount(raw: str) -> Amount:
 # The variables. ---------------------------------------------------------------------------------------------
 
 # Turning kvcached on in an engine.
-ENABLE_KVCACHED = Setting("ENABLE_KVCACHED", "flag", False, "upstream kvcached's switch: turns the vLLM plugin on",
-                          flag)
-ENABLE = Setting("KVCACHED_ENABLE", "flag", False, "turns the vLLM plugin on", flag)
+ENABLE_KVCACHED = Setting("ENABLE_KVCACHED", "flag", False,
+                          "upstream kvcached's switch: turns the vLLM and SGLang plugins on", flag)
+ENABLE = Setting("KVCACHED_ENABLE", "flag", False, "turns the vLLM and SGLang plugins on", flag)
 ELASTIC = Setting("KVCACHED_ELASTIC", "flag", False,
-                  "elastic KV memory in vLLM (the elastic-kv patch); also turns the plugin on", flag)
+                  "elastic KV memory (vLLM's elastic-kv patch, SGLang's sglang-elastic-kv); also turns the plugins on",
+                  flag)
 VLLM_PLUGINS = Setting[str | None]("VLLM_PLUGINS", "list", None,
                                    "vLLM's own plugin allow-list (comma-separated); must name kvcached when set",
                                    text, blank_is_unset=False)
+SGLANG_PLUGINS = Setting[str | None]("SGLANG_PLUGINS", "list", None,
+                                     "SGLang's own plugin allow-list (comma-separated); must name kvcached when set "
+                                     "and not empty", text, blank_is_unset=False)
 
 # Where and under which name.
 IPC_NAME = Setting("KVCACHED_IPC_NAME", "name", "",
@@ -231,8 +235,8 @@ DP_SERVE = Setting("KVCACHED_DP_SERVE", "flag", False,
 
 # The engine's segment and its figures.
 LIMIT = Setting[Amount | None]("KVCACHED_LIMIT", "size or %", None,
-                               "the limit an engine claims its segment with; unset: vLLM's memory share of one "
-                               "device", amount)
+                               "the limit an engine claims its segment with; unset: the engine's memory share of "
+                               "one device (vLLM's gpu_memory_utilization, SGLang's mem_fraction_static)", amount)
 PUBLISH_INTERVAL_S = Setting("KVCACHED_PUBLISH_INTERVAL_S", "seconds", 1.0,
                              "how often an engine publishes its KV cache usage to the segment", seconds(0.01))
 OWNER_EXIT_WAIT_S = Setting("KVCACHED_OWNER_EXIT_WAIT_S", "seconds", 2.0,
@@ -254,9 +258,10 @@ STARTUP_SWEEP_ENGINES = Setting("KVCACHED_STARTUP_SWEEP_ENGINES", "flag", False,
 PAGE_SIZE = Setting("KVCACHED_PAGE_SIZE", "bytes", 2 << 20,
                     "bytes per page of the elastic KV buffer (smaller than 2 MiB only on the CPU backend)", page_bytes)
 ELASTIC_RESERVE_PAGES = Setting("KVCACHED_ELASTIC_RESERVE_PAGES", "count", 1,
-                                "free pages the elastic block pool keeps mapped for the next requests", count)
+                                "free pages (vLLM) or groups (SGLang) elastic KV keeps mapped for the next requests",
+                                count)
 ELASTIC_RELEASE_DELAY_S = Setting("KVCACHED_ELASTIC_RELEASE_DELAY_S", "seconds", 1.0,
-                                  "how long a free page stays mapped while requests run", seconds(0))
+                                  "how long a free page (SGLang: group) stays mapped while requests run", seconds(0))
 
 # The page extension (read by its C++, csrc/, and by the build).
 NVIDIA_GPUS_DIR = Setting("KVCACHED_NVIDIA_GPUS_DIR", "path", "/proc/driver/nvidia/gpus",
@@ -276,7 +281,8 @@ KVCTL_EVERY_MIN_S = Setting("KVCTL_EVERY_MIN_S", "seconds", 10.0,
                             "the shortest DURATION kvctl gc --every accepts (tests set a tiny one)", seconds(0.001))
 
 ALL: tuple[Setting[Any], ...] = (
-    ENABLE_KVCACHED, ENABLE, ELASTIC, VLLM_PLUGINS, IPC_NAME, ROOT, DP_SERVE, LIMIT, PUBLISH_INTERVAL_S,
-    OWNER_EXIT_WAIT_S, OWNER_RETRY_S, STARTUP_SWEEP, STARTUP_SWEEP_ENGINES, PAGE_SIZE, ELASTIC_RESERVE_PAGES,
-    ELASTIC_RELEASE_DELAY_S, NVIDIA_GPUS_DIR, NO_CUDA, REQUIRE_EXT, KVCTL_ROOT, KVCTL_LOCK, KVCTL_EVERY_MIN_S,
+    ENABLE_KVCACHED, ENABLE, ELASTIC, VLLM_PLUGINS, SGLANG_PLUGINS, IPC_NAME, ROOT, DP_SERVE, LIMIT,
+    PUBLISH_INTERVAL_S, OWNER_EXIT_WAIT_S, OWNER_RETRY_S, STARTUP_SWEEP, STARTUP_SWEEP_ENGINES, PAGE_SIZE,
+    ELASTIC_RESERVE_PAGES, ELASTIC_RELEASE_DELAY_S, NVIDIA_GPUS_DIR, NO_CUDA, REQUIRE_EXT, KVCTL_ROOT, KVCTL_LOCK,
+    KVCTL_EVERY_MIN_S,
 )

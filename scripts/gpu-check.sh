@@ -10,6 +10,11 @@
 #    groups of blocks mapped, every block written by a kernel through per-layer
 #    views and read back, a group unmapped and mapped again (reads as zeros,
 #    takes writes, its neighbour untouched), memory returned. Needs no vLLM.
+# 5. checks SGLang's elastic KV pool over real CUDA pages (scripts/sglang_pool_check.py:
+#    map, write with SGLang's set_kv_buffer kernel, read back, unmap at an idle step
+#    boundary, remap: zeros, new writes, the padding slot's group intact). Needs SGLang
+#    0.5.23 importable; "SKIP sglang-pool: ..." otherwise. The suite runs the same
+#    script on the CPU (tests/sglang/test_pool_check.py).
 #
 # Prints exactly one line per check, "PASS name", "FAIL name: why" or
 # "SKIP name: why" (a test skipped for a stated reason), then one summary
@@ -283,12 +288,19 @@ for name, check in CHECKS:
 PY
 }
 
+sglang_pool_checks() {
+  local log="$LOGS/gpu-check-sglang.log"
+  timeout 240 "$PY" scripts/sglang_pool_check.py cuda 2>"$log" \
+    || { local rc=$?; [[ $rc -eq 1 ]] || echo "FAIL sglang-pool: died or timed out (exit $rc): $(tail -n1 "$log")"; }
+}
+
 main() {
   echo "# gpu-check $(git rev-parse --short HEAD 2>/dev/null || echo '?') on" \
        "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n1 || echo 'no nvidia-smi')"
   if build | record && ! grep -q '^FAIL' "$RESULTS"; then
     gpu_tests | record
     pages_checks | record
+    sglang_pool_checks | record
   fi
   local passed failed skipped
   passed=$(grep -c '^PASS ' "$RESULTS")

@@ -1,8 +1,8 @@
-"""Engine integrations (vLLM now). Runtime layer: loaded only inside engine processes, and by `detect`.
+"""Engine integrations (vLLM and SGLang). Runtime layer: loaded only inside engine processes, and by `detect`.
 
 Importing this package, or any of its modules but `vllm.blockpool` (a subclass
 of vLLM's BlockPool), imports neither an engine nor torch: the patches import
-vLLM when they are applied or probed.
+their engine when they are applied or probed.
 
 - `patchkit`: the kit every engine's patches are made with (Patch, Registry, wrap).
 - `state`: what one process shares between them (its engines, its worker listener).
@@ -10,6 +10,8 @@ vLLM when they are applied or probed.
   engine holds; the owner's cleanup duty; the limit an engine claims with).
 - `vllm/`: vLLM's plugin, its patches (one module each), the elastic block
   pool, and what `detect` reports about vLLM.
+- `sglang/`: SGLang's plugin, its patches (the scheduler side, the owner side),
+  and what `detect` reports about SGLang.
 - `detect`: `python -m kvcached.integration.detect --json` (kvcached.detect/1), read by `kvctl doctor`.
 """
 

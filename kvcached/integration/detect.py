@@ -1,7 +1,7 @@
 """`python -m kvcached.integration.detect [--json]`: what kvcached's integrations find here (kvcached.detect/1).
 
-One section per engine installed (vLLM now; SGLang's integration adds its
-own), each built by that engine's integration; with no engine installed the
+One section per engine installed (`vllm`, `sglang`), each built by that
+engine's integration; with no engine installed the
 document has no sections and is still valid. `kvctl doctor` runs this in the
 serve's interpreter and reads the document strictly
 (`kvcached.node.detectdoc.parse`, `kvcached/schemas/detect.json`). Exit status
@@ -37,6 +37,10 @@ def document() -> DetectDocument:
         from .vllm.detect import section
 
         engines["vllm"] = section()
+    if installed("sglang"):
+        from .sglang.detect import section as sglang_section
+
+        engines["sglang"] = sglang_section()
     return DetectDocument(engines=engines)
 
 

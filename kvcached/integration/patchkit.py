@@ -1,4 +1,4 @@
-"""The kit every engine integration patches its engine with (vLLM's now; SGLang's lands on the same one).
+"""The kit every engine integration patches its engine with (vLLM's and SGLang's).
 
 A `Patch` declares what it hooks (`targets`), how it recognises that the
 installed engine has the shape it expects (`probe`), whether it is switched
@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import wrapt
@@ -61,6 +63,30 @@ def key_of(obj: Any) -> str | None:
     except AttributeError:
         return None
     return key if isinstance(key, str) else None
+
+
+def params(fn: Any) -> list[str]:
+    """Parameter names of the engine's own `fn` (under our wrappers); [] when it has no signature."""
+    try:
+        return list(inspect.signature(original(fn)).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def source(fn: Any) -> str | None:
+    """The source of the engine's own `fn` (under our wrappers), or None."""
+    try:
+        return inspect.getsource(original(fn))
+    except (OSError, TypeError):
+        return None
+
+
+def argument(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    """The value `fn(*args, **kwargs)` would see for parameter `name` (None when not passed)."""
+    try:
+        return inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get(name)
+    except TypeError:
+        return kwargs.get(name)
 
 
 def is_ours(obj: Any) -> bool:
@@ -117,6 +143,42 @@ class Changes:
         """`wrap` under this patch's key, remembered for undo; returns the wrapper installed."""
         handle = wrap(owner, name, wrapper, key=self.patch)
         self._wraps.append((owner, name, handle))
+        return handle
+
+    def wrap_everywhere(self, owner: ModuleType, name: str, wrapper: Wrapper) -> Any:
+        """`wrap` a module's function, and point every other loaded module's `from owner import name` at the wrapper.
+
+        `from m import f` copies the reference at import, so such a module would
+        still call what it copied; the engine's own hook registry (SGLang's
+        HookRegistry) rebinds those too. Matched by identity with what the
+        attribute held before; modules imported later bind the wrapper anyway.
+        Undo points each rebound name back, unless something else replaced it since.
+        """
+        before = inspect.getattr_static(owner, name)
+        handle = self.wrap(owner, name, wrapper)
+        if handle is before:
+            return handle  # ours already: its aliases were rebound when it was installed
+        rebound: list[tuple[ModuleType, str]] = []
+        for mod in list(sys.modules.values()):
+            if not isinstance(mod, ModuleType) or mod is owner:
+                continue
+            try:
+                names = [k for k, v in vars(mod).items() if v is before]
+            except TypeError:
+                continue
+            for k in names:
+                try:
+                    setattr(mod, k, handle)
+                    rebound.append((mod, k))
+                except (AttributeError, TypeError):
+                    continue
+
+        def restore() -> None:
+            for mod, k in rebound:
+                if vars(mod).get(k) is handle:
+                    setattr(mod, k, before)
+
+        self.on_undo(restore)
         return handle
 
     def on_undo(self, fn: Callable[[], None]) -> None:

@@ -5,7 +5,7 @@ It is the contract between the integrations (layer 2, engine processes) and
 from these types, doctor reads it back with `parse`, which accepts exactly
 what `kvcached/schemas/detect.json` describes and names the first thing wrong
 otherwise. One section per engine installed, keyed by the engine's name
-(`vllm`; an `sglang` section has the same shape); with no engine installed,
+(`vllm`, `sglang`: the same shape); with no engine installed,
 `engines` is empty and the document is still valid.
 """
 
@@ -18,7 +18,11 @@ from typing import Any
 from .enums import StrEnum
 
 SCHEMA = "kvcached.detect/1"
-RAY_INSTALLED = "ray_installed"  # a fact of the vllm section: Ray-backed serves are not covered
+RAY_INSTALLED = "ray_installed"  # a fact of the vllm and sglang sections: Ray-backed serves are not covered
+# Facts of the sglang section (kvcached/integration/sglang/detect.py builds them).
+SGLANG_RUST_SERVER = "rust_server"  # SGLANG_RUST_SERVER is set: serves started so are not covered
+SGLANG_PLATFORM = "platform"  # SGLang's platform here, by its device name ("unknown": none detected)
+SGLANG_PLATFORM_COVERED = "platform_covered"  # CUDA or the CPU; null when no platform was detected
 
 
 class PatchStatus(StrEnum):

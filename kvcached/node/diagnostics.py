@@ -22,7 +22,17 @@ from .. import settings
 from . import naming
 from .cleanup import Plan, plan
 from .decide import Policy, State
-from .detectdoc import RAY_INSTALLED, DetectDocument, DocumentError, EngineSection, PatchReport, PatchStatus
+from .detectdoc import (
+    RAY_INSTALLED,
+    SGLANG_PLATFORM,
+    SGLANG_PLATFORM_COVERED,
+    SGLANG_RUST_SERVER,
+    DetectDocument,
+    DocumentError,
+    EngineSection,
+    PatchReport,
+    PatchStatus,
+)
 from .detectdoc import parse as parse_detect
 from .enums import StrEnum
 from .layout import SUN_PATH_MAX, Layout
@@ -72,7 +82,7 @@ class Context:
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     proc_root: str = "/proc"
     python: str = sys.executable
-    timeout: float = 60.0
+    timeout: float = 180.0  # detect imports every installed engine (vLLM and SGLang: over a minute on a busy node)
     kvctl: str = "kvctl"  # the command fixes name, with the run's options (`kvctl --root DIR`)
 
     @cached_property
@@ -588,34 +598,101 @@ def vllm_results(section: EngineSection, kvctl: str = "kvctl") -> list[CheckResu
         out += _r("vllm-plugins", g, Status.WARN,
                   f"VLLM_PLUGINS={plugin.allow_list!r} does not list kvcached: "
                   "vLLM never loads kvcached's plugin, so its patches are inactive", enable)
+    return out + _patch_and_condition_lines(section, "vllm", "vLLM", enable, kvctl)
+
+
+def _patch_and_condition_lines(section: EngineSection, engine: str, label: str, enable: str,
+                               kvctl: str) -> list[CheckResult]:
+    """One line per patch (`<engine>-patch:<name>`) and per leak condition (`<engine>:<name>`) of a section."""
+    out: list[CheckResult] = []
     for patch in section.patches:
-        out += _patch_line(section, patch, enable, kvctl)
+        out += _patch_line(section, patch, enable, kvctl, engine, label)
     active = any(section.patch_active(p) for p in section.patches)
+    g = Group.ENGINE
     for c in section.conditions:
-        text = f"vLLM {c.name}: " + {True: "present", False: "absent", None: "could not tell"}[c.present]
+        text = f"{label} {c.name}: " + {True: "present", False: "absent", None: "could not tell"}[c.present]
         text += f" ({c.detail})" if c.detail else ""
         if c.present is False:
-            out += _r(f"vllm:{c.name}", g, Status.OK, text)
+            out += _r(f"{engine}:{c.name}", g, Status.OK, text)
         elif c.present and active:
-            out += _r(f"vllm:{c.name}", g, Status.OK, text + "; kvcached's patches work around it")
+            out += _r(f"{engine}:{c.name}", g, Status.OK, text + "; kvcached's patches work around it")
         else:
-            out += _r(f"vllm:{c.name}", g, Status.WARN, text + ("; no kvcached patch is active" if c.present else ""),
+            out += _r(f"{engine}:{c.name}", g, Status.WARN,
+                      text + ("; no kvcached patch is active" if c.present else ""),
                       f"{enable}; meanwhile: {kvctl} gc --yes")
     return out
 
 
-def _patch_line(section: EngineSection, patch: PatchReport, enable: str, kvctl: str) -> list[CheckResult]:
-    g, name, why = Group.ENGINE, f"vllm-patch:{patch.name}", f" ({patch.reason})" if patch.reason else ""
+def _patch_line(section: EngineSection, patch: PatchReport, enable: str, kvctl: str, engine: str = "vllm",
+                label: str = "vLLM") -> list[CheckResult]:
+    g, name, why = Group.ENGINE, f"{engine}-patch:{patch.name}", f" ({patch.reason})" if patch.reason else ""
     if section.patch_active(patch):
         return _r(name, g, Status.OK, f"kvcached patch {patch.name}: active{why}")
     if patch.status is PatchStatus.READY:
         return _r(name, g, Status.WARN, f"kvcached patch {patch.name}: inactive{why}", enable)
     if patch.status is PatchStatus.UNKNOWN_SHAPE:
-        return _r(name, g, Status.WARN, f"kvcached patch {patch.name}: stands aside, unknown vLLM shape{why}",
-                  f"use a kvcached release that knows this vLLM; meanwhile: {kvctl} gc --yes")
+        return _r(name, g, Status.WARN, f"kvcached patch {patch.name}: stands aside, unknown {label} shape{why}",
+                  f"use a kvcached release that knows this {label}; meanwhile: {kvctl} gc --yes")
     words = {PatchStatus.NOT_NEEDED: "not needed", PatchStatus.DISABLED: "off",
              PatchStatus.NOT_COVERED: "not covered here"}
     return _r(name, g, Status.SKIP, f"kvcached patch {patch.name}: {words.get(patch.status, str(patch.status))}{why}")
+
+
+def check_sglang(ctx: Context) -> list[CheckResult]:
+    g = Group.ENGINE
+    try:
+        doc = ctx.engines
+    except DetectFailed as e:
+        return _r("sglang", g, e.status, e.summary, e.fix, **e.details)
+    section = doc.engines.get("sglang")
+    if section is None:
+        return _r("sglang", g, Status.SKIP, "SGLang is not installed here")
+    return sglang_results(section, kvctl=ctx.kvctl)
+
+
+# What kvcached does not cover in SGLang (docs/SGLANG.md, "Shapes to stand aside from").
+SGLANG_NOT_COVERED = (
+    "kvcached stands aside (one log line in each process, nothing made, no owner cleanup) in SGLang serves on "
+    "Ray (--use-ray), with the Rust server (SGLANG_RUST_SERVER), on the nodes after node 0 of a multi-node serve, "
+    "and on devices other than CUDA and the CPU"
+)
+
+
+def sglang_results(section: EngineSection, kvctl: str = "kvctl") -> list[CheckResult]:
+    """Doctor lines from the `sglang` section of kvcached.detect/1; fixes name `kvctl` (Context.kvctl)."""
+    g = Group.ENGINE
+    if section.error:
+        return _r("sglang", g, Status.WARN, f"could not inspect the installed SGLang: {section.error}")
+    plugin = section.plugin
+    enable = "export KVCACHED_ENABLE=1 (kvcached's SGLang plugin applies its patches in every SGLang process)"
+    if not plugin.allowed:
+        names = [n.strip() for n in (plugin.allow_list or "").split(",") if n.strip()]
+        enable = (f"export {plugin.allow_list_var}={','.join(names + ['kvcached'])} (or unset "
+                  f"{plugin.allow_list_var}): SGLang loads only the plugins it lists")
+    state = ("enabled, but inactive: SGLANG_PLUGINS excludes it" if plugin.enabled and not plugin.allowed
+             else "enabled" if plugin.enabled else "not enabled in this environment")
+    out = _r("sglang", g, Status.OK if plugin.active else Status.WARN,
+             f"SGLang {section.version or '?'} installed; kvcached integration {state}",
+             None if plugin.active else enable, detect=section.to_dict())
+    if not plugin.allowed:
+        out += _r("sglang-plugins", g, Status.WARN,
+                  f"SGLANG_PLUGINS={plugin.allow_list!r} does not list kvcached: "
+                  "SGLang never loads kvcached's plugin, so its patches are inactive", enable)
+    return out + _patch_and_condition_lines(section, "sglang", "SGLang", enable, kvctl) + _sglang_shapes(section, kvctl)
+
+
+def _sglang_shapes(section: EngineSection, kvctl: str) -> list[CheckResult]:
+    facts = section.facts
+    here = []
+    if facts.get(SGLANG_RUST_SERVER) is True:
+        here.append("SGLANG_RUST_SERVER is set in this environment")
+    if facts.get(SGLANG_PLATFORM_COVERED) is False:
+        here.append(f"SGLang's platform here is {facts.get(SGLANG_PLATFORM)!r}")
+    if here:
+        return _r("sglang-shapes", Group.ENGINE, Status.WARN, "; ".join(here) + ": " + SGLANG_NOT_COVERED,
+                  f"serve without them to have kvcached cover the serve; meanwhile clean up by hand: {kvctl} gc --yes")
+    ray = "; Ray is installed here" if facts.get(RAY_INSTALLED) is True else ""
+    return _r("sglang-shapes", Group.ENGINE, Status.SKIP, SGLANG_NOT_COVERED + ray)
 
 
 CHECKS: tuple[Check, ...] = (
@@ -632,6 +709,8 @@ CHECKS: tuple[Check, ...] = (
     Check("engine-leftovers", Group.NODE, "what vLLM, SGLang, NCCL and CUDA left that is provably dead",
           check_engine_leftovers),
     Check("vllm", Group.ENGINE, "installed vLLM: shutdown conditions and kvcached patches", check_vllm),
+    Check("sglang", Group.ENGINE, "installed SGLang: stop hazards, kvcached patches, shapes not covered",
+          check_sglang),
 )
 CHECK_NAMES = tuple(c.name for c in CHECKS)
 

@@ -59,7 +59,17 @@ class Role(StrEnum):
 _VLLM_WORKER_RE = re.compile(r"^VLLM::Worker(?:_TP(\d+))?(?:_PP(\d+))?|^VllmWorker(?:[-_ ](\d+))?")
 _VLLM_ENGINE_RE = re.compile(r"^VLLM::EngineCor|^EngineCore")
 _VLLM_API_RE = re.compile(r"^VLLM::APIServer|^VLLM::API")
-_SGLANG_ENGINE_RE = re.compile(r"^sglang::scheduler")
+# SGLang (docs/SGLANG.md, "Processes"): a scheduler per (PP, TP) rank, titled `sglang::scheduler` plus `_DP<d>`,
+# `_PP<k>`, `_ATTN_CP<c>`, `_MOE_DP<m>`, `_TP<r>`, `_EP<e>` (each only when that width is above 1); the
+# detokenizer, the DP controller and uvicorn's tokenizer workers titled too; main keeps its command line.
+_SGLANG_SCHEDULER_RE = re.compile(r"^sglang::schedul(?:er(?P<parts>(?:_[A-Z_]+?[0-9]+)*))?")
+_SGLANG_PART_RE = re.compile(r"_(DP|PP|ATTN_CP|MOE_DP|TP|EP)([0-9]+)")
+_SGLANG_HELPERS = (  # title prefix (comm keeps 15 bytes of it), role
+    ("sglang::data_parallel_controller", Role.ENGINE),
+    ("sglang::detokenizer", Role.API),
+    ("sglang::tokenizer_worker", Role.API),
+)
+_SGLANG_MAIN_RE = re.compile(r"(^|/)sglang\s+serve\b|sglang\.launch_server")
 _HARNESS_MODULE = "kvcached.runtime.harness"
 
 
@@ -98,14 +108,44 @@ def classify_process(p: ProcessInfo) -> RoleInfo:
         if m := _VLLM_WORKER_RE.match(text):
             rank = _int(m.group(1) or m.group(3))
             return RoleInfo(role=Role.WORKER, title=text, rank=rank, stage=_int(m.group(2)))
-        if _VLLM_ENGINE_RE.match(text) or _SGLANG_ENGINE_RE.match(text):
+        if _VLLM_ENGINE_RE.match(text):
             return RoleInfo(role=Role.ENGINE, title=text)
         if _VLLM_API_RE.match(text):
             return RoleInfo(role=Role.API, title=text)
+        if (sgl := _sglang_role(text)) is not None:
+            return sgl
     joined = " ".join(p.cmdline[:4])
-    if re.search(r"(^|/)vllm\s+serve\b|vllm\.entrypoints|sglang\.launch_server", joined):
-        return RoleInfo(role=Role.API, title="vllm serve" if "vllm" in joined else "sglang server")
+    if re.search(r"(^|/)vllm\s+serve\b|vllm\.entrypoints", joined):
+        return RoleInfo(role=Role.API, title="vllm serve")
+    if _SGLANG_MAIN_RE.search(joined):
+        return RoleInfo(role=Role.API, title="sglang server")
     return RoleInfo(role=Role.OTHER, title=title or (os.path.basename(argv0) if argv0 else ""))
+
+
+def _sglang_role(text: str) -> RoleInfo | None:
+    """An SGLang process by its title: a scheduler is a worker (its TP rank and PP stage from the title)."""
+    if m := _SGLANG_SCHEDULER_RE.match(text):
+        if m.group("parts") is None:  # only comm's 15 bytes: the ranks are cut off
+            return RoleInfo(role=Role.WORKER, title=text)
+        parts = dict(_SGLANG_PART_RE.findall(m.group("parts")))
+        return RoleInfo(role=Role.WORKER, title=text, rank=int(parts.get("TP", 0)), stage=int(parts.get("PP", 0)))
+    for prefix, role in _SGLANG_HELPERS:
+        if text.startswith(prefix) or (len(text) == 15 and prefix.startswith(text)):
+            return RoleInfo(role=role, title=text)
+    return None
+
+
+def tie_sglang_mains(roles: dict[int, RoleInfo], facts: Facts) -> None:
+    """SGLang's main keeps its command line (a script's, `sglang serve`'s): it is the parent of its SGLang
+    processes (schedulers, detokenizer, DP controller), in their process group. Marks it as the serve's API."""
+    for pid, role in list(roles.items()):
+        if not role.title.startswith("sglang::"):
+            continue
+        child = facts.processes.get(pid)
+        parent = None if child is None else facts.processes.get(child.ppid)
+        if child is None or parent is None or parent.pgid != child.pgid or roles[parent.pid].role is not Role.OTHER:
+            continue
+        roles[parent.pid] = RoleInfo(role=Role.API, title="sglang main")
 
 
 @dataclass(frozen=True)
@@ -360,6 +400,7 @@ def build_view(p: Plan, *, read_segments: bool = True, namespaces: bool = True) 
     facts = p.facts
     read_until = time.monotonic() + SEGMENT_WAIT
     roles = {pid: classify_process(info) for pid, info in facts.processes.items()}
+    tie_sglang_mains(roles, facts)
     grouped: dict[str, list[Entry]] = {}
     unowned: list[Entry] = []
     for e in plan_entries(p):

@@ -30,7 +30,19 @@ def proc(cmdline: tuple[str, ...], comm: str = "python3") -> ProcessInfo:
         (("vllm", "serve", "meta-llama/Llama-3"), "vllm", Role.API, None, None),
         (("python", "-m", "vllm.entrypoints.openai.api_server"), "python", Role.API, None, None),
         (("VLLM::APIServer",), "VLLM::APIServer", Role.API, None, None),
-        (("sglang::scheduler_TP1",), "sglang::schedul", Role.ENGINE, None, None),
+        # SGLang: a scheduler is a worker (TP rank, PP stage from its title; each part only when above 1).
+        (("sglang::scheduler_TP1",), "sglang::schedul", Role.WORKER, 1, 0),
+        (("sglang::scheduler",), "sglang::schedul", Role.WORKER, 0, 0),
+        (("sglang::scheduler_DP1_PP1_TP3_EP2",), "sglang::schedul", Role.WORKER, 3, 1),
+        (("sglang::scheduler_DP0_ATTN_CP1_MOE_DP1_TP2",), "sglang::schedul", Role.WORKER, 2, 0),
+        (("python",), "sglang::schedul", Role.WORKER, None, None),  # title only in comm: the ranks cut off
+        (("sglang::detokenizer",), "sglang::detoken", Role.API, None, None),
+        (("sglang::tokenizer_worker:4242",), "sglang::tokeniz", Role.API, None, None),
+        (("sglang::data_parallel_controller",), "sglang::data_pa", Role.ENGINE, None, None),
+        (("python",), "sglang::data_pa", Role.ENGINE, None, None),
+        (("/usr/bin/python3", "/usr/local/bin/sglang", "serve", "--model-path", "m"), "python3", Role.API, None, None),
+        (("python", "-m", "sglang.launch_server", "--model-path", "m"), "python", Role.API, None, None),
+        (("python", "offline_sglang.py"), "python", Role.OTHER, None, None),  # main by its tree: build_view
         (
             (
                 "python",

@@ -177,8 +177,8 @@ def test_an_entry_that_exits_non_zero_is_a_warning_naming_its_last_line(layout, 
 
 
 def test_without_vllm_the_real_entry_prints_an_empty_document_and_doctor_skips(layout, tmp_path) -> None:
-    """The real `python -m kvcached.integration.detect --json`, in an interpreter where vLLM cannot be found."""
-    hide = ("import sys; sys.modules['vllm'] = None; sys.argv = ['detect', '--json']; "
+    """The real `python -m kvcached.integration.detect --json`, in an interpreter where no engine can be found."""
+    hide = ("import sys; sys.modules['vllm'] = sys.modules['sglang'] = None; sys.argv = ['detect', '--json']; "
             "from kvcached.integration.detect import main; sys.exit(main())")
     python = interpreter(tmp_path, f'exec "{sys.executable}" -c "{hide}"')
     out = subprocess.run([python, "-m", "kvcached.integration.detect", "--json"], capture_output=True, text=True,

@@ -11,6 +11,7 @@ unpatched runs are vLLM as installed: kvctl finds nothing to show at all.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -179,6 +180,12 @@ def test_tp2_pp2_forked_workers(layout, uniq, start, patched) -> None:
 
 
 @both
+def _arg_start(pid: int) -> int:
+    """Where the process's argument block starts (fields after the command name, which may hold spaces)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[45])
+
+
 def test_spawned_worker(layout, uniq, start, patched) -> None:
     """A worker started by multiprocessing spawn (vLLM's way once CUDA is up) loads kvcached by the plugin loader."""
     s = start(Shape(owner="api", tp=1, backend="mp", worker_start="spawn"), patched)
@@ -186,10 +193,16 @@ def test_spawned_worker(layout, uniq, start, patched) -> None:
     (worker,) = s.workers[engine]
     with open(f"/proc/{worker}/cmdline", "rb") as f:
         cmdline = f.read()
-    # A fresh interpreter, not a fork of the engine. With setproctitle installed (a vLLM dependency,
-    # which scripts/install-sglang.sh brings in) vLLM retitles the worker, and the title replaces the
-    # spawn command line; then the title is all there is to see.
-    assert b"multiprocessing.spawn" in cmdline or cmdline.startswith(b"VLLM::Worker")
+    if importlib.util.find_spec("setproctitle") is not None:
+        # vLLM declares setproctitle (and scripts/install-sglang.sh installs it): vLLM titles its TP=1
+        # worker `VLLM::Worker`, and the title replaces spawn's command line.
+        assert cmdline.rstrip(b"\0").split(b"\0") == [b"VLLM::Worker"], cmdline
+    else:
+        assert b"multiprocessing.spawn" in cmdline, cmdline
+    # A fresh interpreter, not a fork of the engine, whatever the title: the kernel placed its argument
+    # block anew at exec (a fork inherits its parent's address, field 48 of /proc/<pid>/stat).
+    if open("/proc/sys/kernel/randomize_va_space").read().strip() != "0":
+        assert _arg_start(worker) != _arg_start(engine)
     if not patched:
         expect_nothing_made(layout)
         stop_like_vllm_serve(s)

@@ -53,3 +53,30 @@ def sgl(sgl_scratch) -> Iterator[None]:
     os.environ.update(before)
     assert {s: signal.getsignal(s) for s in handlers} == handlers, "importing SGLang changed a signal handler"
     yield
+
+
+@pytest.fixture
+def elastic_env(layout, uniq, monkeypatch) -> Iterator[str]:
+    """What the patch reads in a scheduler process: 64 KiB pages, no release delay, no reserve; a private node root.
+
+    The deployment's segment, looked up by name when a test claims none, is
+    then under the test's own root, never the node's /dev/shm.
+    """
+    from .elastic_support import PAGE
+
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(PAGE))
+    monkeypatch.setenv("KVCACHED_ELASTIC_RELEASE_DELAY_S", "0")
+    monkeypatch.setenv("KVCACHED_ELASTIC_RESERVE_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_ROOT", layout.root)
+    monkeypatch.setenv("KVCACHED_IPC_NAME", uniq)
+    yield uniq
+
+
+@pytest.fixture(scope="session")
+def zygote(sgl_scratch) -> Iterator:
+    """The process the tests' SGLang mains are forked from (tests/sglang/zygote.py), started once per session."""
+    from tests.sglang.serves import Zygote
+
+    z = Zygote(sgl_scratch)
+    yield z
+    z.close()

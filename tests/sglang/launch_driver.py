@@ -30,7 +30,8 @@ def stand_in_scheduler(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank
     """Everything `run_scheduler_process` does around a Scheduler, without the model."""
     import psutil
     import setproctitle
-    from sglang.srt.managers.scheduler import configure_scheduler_process, resolve_spawn_dp_rank
+    from sglang.srt.managers import scheduler
+    from sglang.srt.managers.scheduler import resolve_spawn_dp_rank
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, spawn_world_rank
 
@@ -40,7 +41,8 @@ def stand_in_scheduler(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank
     dp_rank = resolve_spawn_dp_rank(dp_rank)
     publish(server_args, role="scheduler", ranks=SpawnRanks(
         world_rank=spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=pp_rank), dp_rank=dp_rank, gpu_id=gpu_id))
-    configure_scheduler_process(server_args, gpu_id, *display_ranks)
+    # Through the module, as run_scheduler_process calls it: what plugins hooked there applies.
+    scheduler.configure_scheduler_process(server_args, gpu_id, *display_ranks)
     parallel = get_parallel()
     pipe_writer.send({
         "status": "ready", "max_total_num_tokens": 64, "max_req_input_len": 32,
@@ -56,6 +58,9 @@ def stand_in_scheduler(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank
 
 
 def _launch(args: argparse.Namespace):  # noqa: ANN202 - SGLang's own types
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # what `sglang serve` and `python -m sglang.launch_server` do first (kvcached's, when enabled)
     from sglang.srt.entrypoints.engine import Engine, _set_envs_and_config
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import PortArgs, ServerArgs
@@ -88,6 +93,21 @@ def _tree() -> list[dict]:
     return out
 
 
+def _state() -> list[str] | None:
+    """Every path under KVCACHED_ROOT's /dev/shm and /tmp (what kvcached made there); None without a root."""
+    root = os.environ.get("KVCACHED_ROOT")
+    if not root:
+        return None
+    from kvcached.node.gclock import LOCK_NAME
+
+    out = []
+    for top in ("dev/shm", "tmp"):
+        for dirpath, dirs, files in os.walk(os.path.join(root, top)):
+            out += [os.path.relpath(os.path.join(dirpath, n), root) for n in dirs + files]
+    # The start-up sweep (the claiming scheduler's) takes the gc lock at <root>/tmp; it stays, as kvctl gc's does.
+    return sorted(p for p in out if p != f"tmp/{LOCK_NAME}")
+
+
 def main() -> None:
     """Launch, report, then stop as the scenario says."""
     ap = argparse.ArgumentParser()
@@ -103,7 +123,7 @@ def main() -> None:
         "main": {"pid": os.getpid(), "pgid": os.getpgrp(), "start_method": multiprocessing.get_start_method(),
                  "sigquit": str(signal.getsignal(signal.SIGQUIT))},
         "infos": result.scheduler_infos, "all_child_pids": result.all_child_pids,
-        "procs": [p.pid for p in procs], "tree": _tree(),
+        "procs": [p.pid for p in procs], "tree": _tree(), "state": _state(),
     }
 
     def write(extra: dict) -> None:
@@ -117,7 +137,7 @@ def main() -> None:
 
         started = time.monotonic()
         kill_process_tree(os.getpid(), include_parent=False)
-        write({"after": _tree(), "kill_seconds": time.monotonic() - started})
+        write({"after": _tree(), "kill_seconds": time.monotonic() - started, "state_after": _state()})
         return
     write({})
     if args.scenario == "kill-tree-and-self":

@@ -1,6 +1,7 @@
 """SGLang 0.5.23's own launcher and process tree, with real spawned children and real signals.
 
-tests/sglang/launch_driver.py is the main process: SGLang's
+tests/sglang/launch_driver.py is the main process (forked from the zygote,
+tests/sglang/zygote.py, which imported SGLang's main-side modules once): SGLang's
 `Engine._launch_scheduler_processes` with a stand-in scheduler function
 (`run_scheduler_process_func`, the parameter SGLang offers for it), so the
 children are SGLang's real spawn, titles, process group and parent-death
@@ -11,61 +12,69 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
-import subprocess
-import sys
+import tempfile
 from collections.abc import Iterator
 
 import psutil
 import pytest
 
 from tests.sglang.cpu_env import child_env
+from tests.sglang.serves import READY_TIMEOUT, Zygote
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.sglang
 
 
 class Main:
-    """A launch_driver process (its own process group, as `sglang serve` in a shell is) and the report it writes."""
+    """A launch_driver main forked from the zygote (in its own session, as `sglang serve` in a shell is)."""
 
-    def __init__(self, scratch: str, tmp_path, scenario: str, *opts: str) -> None:
+    count = 0
+
+    def __init__(self, zygote: Zygote, scratch: str, tmp_path, scenario: str, *opts: str,
+                 env: dict[str, str] | None = None) -> None:
+        Main.count += 1
+        self.zygote, self.key = zygote, f"launch-{Main.count}-{scenario}"
         self.report_path = str(tmp_path / "report.json")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.sglang.launch_driver", self.report_path, scenario, *opts],
-            env=child_env(scratch), cwd=scratch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True)
+        self.log = tmp_path / "main.log"
+        self.pid = zygote.fork(self.key, ["launch_driver", self.report_path, scenario, *opts],
+                               child_env(scratch, env), scratch, str(self.log), module="tests.sglang.launch_driver")
+        self.returncode: int | None = None
 
-    def report(self, timeout: float = 180.0) -> dict:
+    def report(self, timeout: float = READY_TIMEOUT) -> dict:
         """Wait for the report; fail with the driver's output if it exits first."""
-        wait_for(lambda: os.path.exists(self.report_path) or self.proc.poll() is not None, timeout=timeout)
+        wait_for(lambda: os.path.exists(self.report_path) or self.zygote.status(self.key, 0) is not None,
+                 timeout=timeout)
         if not os.path.exists(self.report_path):
-            out, err = self.proc.communicate()
-            raise AssertionError(f"driver exited {self.proc.returncode} without a report:\n{out}\n{err[-6000:]}")
+            raise AssertionError(f"driver exited {self.zygote.status(self.key, 0)} without a report:\n"
+                                 f"{self.log.read_text()[-6000:]}")
         with open(self.report_path) as f:
             return json.load(f)
 
     def wait(self, timeout: float = 120.0) -> int:
-        """The driver's exit status (negative: the signal that ended it); its stdout kept in `out`."""
-        self.out, self.err = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode
+        """The driver's exit status (negative: the signal that ended it); its output kept in `out`."""
+        status = self.zygote.status(self.key, timeout)
+        assert status is not None, f"{self.key} still runs after {timeout:g}s"
+        self.returncode, self.out = status, self.log.read_text()
+        return status
 
     def kill(self) -> None:
-        """SIGKILL the driver's whole process group; nothing it spawned outlives the test."""
+        """SIGKILL the driver's whole session; nothing it spawned outlives the test."""
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        if self.proc.returncode is None:
-            self.proc.communicate()
+        self.zygote.status(self.key, 30)
 
 
 @pytest.fixture
-def launch(sgl_scratch, tmp_path) -> Iterator:
+def launch(zygote, sgl_scratch, tmp_path) -> Iterator:
     """Start launch_driver mains; each is SIGKILLed with its group at teardown."""
     started: list[Main] = []
 
     def start(scenario: str, *opts: str) -> Main:
-        main = Main(sgl_scratch, tmp_path, scenario, *opts)
+        main = Main(zygote, sgl_scratch, tmp_path, scenario, *opts)
         started.append(main)
         return main
 
@@ -83,15 +92,24 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tree(sgl_scratch, tmp_path_factory) -> Iterator[dict]:
-    """One TP = 2, PP = 2 launch whose main reports its tree, then kill_process_tree(include_parent=False)s it."""
-    main = Main(sgl_scratch, tmp_path_factory.mktemp("tree"), "kill-tree", "--tp", "2", "--pp", "2")
+def tree(zygote, sgl_scratch, tmp_path_factory) -> Iterator[dict]:
+    """One TP = 2, PP = 2 launch whose main reports its tree, then kill_process_tree(include_parent=False)s it.
+
+    kvcached is enabled in it, on a node root of its own (short, under /tmp: socket paths fit 107 bytes):
+    SGLang's facts below hold with it, and the launch shows kvcached's names for a TP × PP serve.
+    """
+    root = tempfile.mkdtemp(prefix="kvl", dir="/tmp")
+    for sub in ("dev/shm", "tmp"):
+        os.makedirs(os.path.join(root, sub))
+    env = {"KVCACHED_ROOT": root, "KVCACHED_ENABLE": "1", "KVCACHED_LIMIT": "64M"}
+    main = Main(zygote, sgl_scratch, tmp_path_factory.mktemp("tree"), "kill-tree", "--tp", "2", "--pp", "2", env=env)
     try:
         report = main.report()
         report["rc"] = main.wait()
         yield report
     finally:
         main.kill()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_tp2_pp2_schedulers_are_spawned_titled_children_of_main_in_its_group(tree) -> None:
@@ -110,6 +128,19 @@ def test_tp2_pp2_schedulers_are_spawned_titled_children_of_main_in_its_group(tre
     assert sorted(tree["all_child_pids"]) == sorted(tree["procs"]) == sorted(i["pid"] for i in infos)
 
 
+def test_tp2_pp2_every_scheduler_serves_its_socket_and_stage0_rank0_claims_the_segment(tree) -> None:
+    """kvcached's names: `w<r>.sock` for stage 0, `pp1/w<r>.sock` for stage 1, one segment (TP 0 of PP 0's).
+
+    Main's owner patch removes them all once kill_process_tree confirmed the schedulers' exits.
+    """
+    name = f"kvcached_SGLang_{tree['main']['pgid']}"
+    state = tree["state"]
+    (sockdir,) = [p for p in state if p.startswith(f"tmp/kvcached-tp-{name}-") and "/" not in p[4:]]
+    assert state == sorted([f"dev/shm/{name}", sockdir, f"{sockdir}/w0.sock", f"{sockdir}/w1.sock",
+                            f"{sockdir}/pp1", f"{sockdir}/pp1/w0.sock", f"{sockdir}/pp1/w1.sock"]), state
+    assert tree["state_after"] == []
+
+
 def test_kill_process_tree_sigkills_every_descendant_and_waits_until_they_are_dead(tree) -> None:
     """include_parent=False: every descendant is SIGKILLed and dead (a zombie at most) when it returns; main lives on.
 
@@ -119,7 +150,10 @@ def test_kill_process_tree_sigkills_every_descendant_and_waits_until_they_are_de
     schedulers = set(tree["procs"])
     others = {p["pid"]: p["title"] for p in tree["tree"] if p["pid"] not in schedulers}
     assert all("resource_tracker" in title for title in others.values()), others
-    assert {p["pid"] for p in tree["after"]} == schedulers | set(others)
+    # kill_process_tree never reaps: the resource tracker is left a zombie. The schedulers are reaped by the
+    # time it returns only because kvcached's owner (enabled in this launch) confirmed their exits through
+    # their Process objects' exit codes, which waitpid them.
+    assert {p["pid"] for p in tree["after"]} == set(others)
     assert all(p["status"] == psutil.STATUS_ZOMBIE for p in tree["after"]), tree["after"]
     assert tree["rc"] == 0
 
@@ -142,7 +176,7 @@ def test_a_scheduler_dies_with_its_parent(launch) -> None:
     main = launch("wait")
     children = main.report()["procs"]
     assert not any(_gone(pid) for pid in children)
-    os.kill(main.proc.pid, signal.SIGKILL)
+    os.kill(main.pid, signal.SIGKILL)
     assert main.wait() == -signal.SIGKILL
     wait_for(lambda: all(_gone(pid) for pid in children), timeout=20)
 
@@ -152,6 +186,6 @@ def test_main_arms_the_launch_phase_sigquit_handler(launch) -> None:
     main = launch("wait")
     report = main.report()
     assert "launch_phase_sigquit_handler" in report["main"]["sigquit"]
-    os.kill(main.proc.pid, signal.SIGQUIT)
+    os.kill(main.pid, signal.SIGQUIT)
     assert main.wait() == -signal.SIGKILL
     wait_for(lambda: all(_gone(pid) for pid in report["procs"]), timeout=20)

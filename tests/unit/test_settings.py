@@ -34,13 +34,14 @@ def fresh_warnings(monkeypatch) -> None:
     (settings.LIMIT, "1.5GiB", Amount(bytes=3 << 29)),
     (settings.ROOT, "/tmp/x", "/tmp/x"), (settings.IPC_NAME, "prod a", "prod a"),
     (settings.VLLM_PLUGINS, "", ""),  # blank means something here: an allow-list naming no plugin
+    (settings.SGLANG_PLUGINS, "  ", "  "),  # for SGLang, blanks are a list naming no plugin (and "" is no list)
     (settings.KVCTL_LOCK, "/run/x.lock", "/run/x.lock"),
 ])
 def test_values_parse(setting: Setting, raw: str, want: object) -> None:
     assert setting.get({setting.name: raw}) == want
 
 
-@pytest.mark.parametrize("setting", [s for s in settings.ALL if s.name != "VLLM_PLUGINS"])
+@pytest.mark.parametrize("setting", [s for s in settings.ALL if s.name not in ("VLLM_PLUGINS", "SGLANG_PLUGINS")])
 def test_unset_and_blank_mean_the_default(setting: Setting) -> None:
     assert setting.get({}) == setting.default
     assert setting.get({setting.name: "  "}) == setting.default

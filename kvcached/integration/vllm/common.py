@@ -6,15 +6,18 @@ Nothing here imports vLLM at import; `module()` does when a patch asks.
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from ... import settings
 from ...node.naming import dp_rank_name, ipc_name_from_env
-from ..patchkit import original
+
+# The readers of an engine's shapes are the kit's (shared with SGLang's patches); the vLLM patches import them here.
+from ..patchkit import argument as argument
+from ..patchkit import params as params
+from ..patchkit import source as source
 
 PLUGIN_NAME = "kvcached"  # the entry point's name in group vllm.general_plugins
 
@@ -33,30 +36,6 @@ ENGINE_ATTR = "_kvcached_engine"  # on an executor: its engine's EngineState
 def module(name: str) -> Any:
     """The vLLM module `name`, imported now."""
     return importlib.import_module(name)
-
-
-def params(fn: Any) -> list[str]:
-    """Parameter names of vLLM's own `fn` (under our wrappers); [] when it has no signature."""
-    try:
-        return list(inspect.signature(original(fn)).parameters)
-    except (TypeError, ValueError):
-        return []
-
-
-def source(fn: Any) -> str | None:
-    """The source of vLLM's own `fn` (under our wrappers), or None."""
-    try:
-        return inspect.getsource(original(fn))
-    except (OSError, TypeError):
-        return None
-
-
-def argument(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
-    """The value `fn(*args, **kwargs)` would see for parameter `name` (None when not passed)."""
-    try:
-        return inspect.signature(fn).bind_partial(*args, **kwargs).arguments.get(name)
-    except TypeError:
-        return kwargs.get(name)
 
 
 @contextmanager

@@ -1,0 +1,526 @@
+"""SGLang's token allocators over an elastic pool: ids of mapped groups first, groups mapped on demand, under the limit.
+
+The `sglang-elastic-kv` patch builds them for the elastic pools of
+`elastic_pool` (the paged allocator through the platform hook
+`get_paged_allocator_cls`, page size 1 where SGLang's configurator builds
+`TokenToKVPoolAllocator` by name). Being subclasses of SGLang's allocators,
+this module imports SGLang at import.
+
+An *id* is what SGLang's allocator hands out: a token slot at page size 1, a
+page of `page_size` slots otherwise. A *group* is `ids_per_group` consecutive
+ids whose bytes own whole physical pages in every layer (the pool's
+`KVBuffer` maps and unmaps by group). SGLang's free list (`free_pages`)
+holds the free ids of mapped groups only, so SGLang's own alloc and free run
+unchanged; this adds:
+
+- when the free list is short, whole groups are mapped (or groups waiting to
+  be unmapped taken back) as long as the limit allows, before SGLang's own
+  code hands the ids out; past the limit the allocation returns None, as
+  SGLang's allocator does when full;
+- ``available_size()`` keeps counting every free id, mapped or not, so that
+  SGLang's accounting identity (available + evictable + protected +
+  session-held + uncached = total) holds at every step, while the capacity
+  hooks SGLang's scheduler asks before allocating (`create_prefill_budget`,
+  `check_decode_capacity`, `evict_to_free_tokens`) answer with what can be
+  allocated under the limit (`schedulable_size`): the scheduler waits,
+  evicts or retracts as it does in front of a full pool, and never reaches
+  an allocation that would fail;
+- at each step boundary (`step`, before the scheduler picks its next batch):
+  the limit agreed across the TP group (`elastic_step`), groups with no live
+  token released once they stayed free `release_delay` (at once when the
+  scheduler is idle or over the limit; the lowest `reserve` free groups stay
+  mapped), their ids taken out of the free list, and their memory unmapped
+  once no batch in flight can still write it (one step later with the
+  overlap scheduler); over a lowered limit, the highest groups are drained
+  (their free ids parked, so that they empty) and the prefix cache is evicted
+  by the excess, until the mapping fits.
+
+Per id, nothing is added to SGLang's hot paths; the per-group census (one
+``bincount`` over the free list) runs at the boundary, at most four times per
+release delay while requests run (`bench/bench_sglang.py`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+from sglang.srt.utils import get_num_new_pages
+
+from ... import settings
+from .elastic_pool import _ElasticBuffers
+from .elastic_step import Agreed, Agreement, SegmentLimit, TPGroup
+
+log = logging.getLogger("kvcached.integration.sglang.elastic")
+
+UNMAPPED, MAPPED, RELEASING, DRAINING = 0, 1, 2, 3
+
+
+def adoptable(kvcache: Any, need_sort: bool = False) -> bool:
+    """Whether an elastic allocator can take `kvcache`: an elastic pool no allocator took yet, no PD staging."""
+    if not isinstance(kvcache, _ElasticBuffers) or kvcache.elastic is None or kvcache.adopted:
+        return False
+    if need_sort:
+        log.warning("kvcached: PD disaggregation stages freed KV (need_sort); the pool stands aside")
+        return False
+    return True
+
+
+def _kvcache_of(args: tuple[Any, ...], kwargs: dict[str, Any], position: int) -> tuple[Any, bool]:
+    kvcache = kwargs.get("kvcache", args[position] if len(args) > position else None)
+    need_sort = kwargs.get("need_sort", args[position + 1] if len(args) > position + 1 else False)
+    return kvcache, bool(need_sort)
+
+
+@dataclass(frozen=True)
+class ElasticStats:
+    """The allocator's books at one moment, in ids and groups (for checks and the bench)."""
+
+    mapped_groups: tuple[int, ...]  # what the pool's range has mapped
+    releasing: tuple[int, ...]  # mapped, no live id, unmapped at a later boundary
+    draining: tuple[int, ...]  # mapped over the limit, left to empty
+    max_groups: int  # what the limit allows
+    group_bytes: int  # what one group costs per rank
+    mapped_bytes: int  # the extension's count of mapped memory
+    available: int  # SGLang's available_size()
+    schedulable: int  # what can be allocated now, under the limit (tokens)
+
+
+class ElasticPrefillBudget(PrefillBudget):
+    """SGLang's prefill budget with the room under the limit in place of every free slot."""
+
+    def _available_and_evictable(self) -> int:
+        return int(self.allocator.schedulable_size() + self.tree_cache.evictable_size())
+
+
+class _ElasticIds:
+    """The mechanics both allocators share. Used from the scheduler's thread only, like SGLang's allocators."""
+
+    free_pages: Any
+    device: Any
+    page_size: int
+    _plain: type  # SGLang's class, built instead for a pool that is not ours to map
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        kvcache, need_sort = _kvcache_of(args, kwargs, cls._kvcache_position)
+        if not adoptable(kvcache, need_sort):
+            return cls._plain(*args, **kwargs)  # not an instance of cls: Python skips our __init__
+        return super().__new__(cls)
+
+    _kvcache_position = 3
+
+    def _elastic_setup(self, kvcache: Any, size: int, page_size: int, device: Any) -> None:
+        buf = kvcache.elastic
+        kvcache.adopted = True
+        self.elastic_pool, self.elastic_buf = kvcache, buf
+        plan = buf.plan
+        self.ids_per_group = g = plan.blocks_per_page
+        self.num_groups = n = plan.num_groups
+        top = size // page_size  # the highest id SGLang hands out
+        # Id 0 (the padding slot) and ids past `top` (rows the pool has beyond the allocator's) are never free.
+        self.group_len = [max(0, min((i + 1) * g, top + 1) - max(i * g, 1)) for i in range(n)]
+        self._last = max(i for i in range(n) if self.group_len[i] > 0)
+        self.group_bytes = plan.max_pages_per_group() * buf.page_size
+        mapped = set(buf.mapped_groups())
+        self.gstate = bytearray(MAPPED if i in mapped else UNMAPPED for i in range(n))
+        self._unmapped = [i for i in range(n) if i not in mapped and self.group_len[i] > 0]  # a heap
+        self.mapped_count = len(mapped)
+        self._releasing: dict[int, int] = {}  # group -> the boundary that released it
+        self._releasing_ids = 0
+        self._empty_since: dict[int, int] = {}  # mapped groups with no live id -> since (agreed clock)
+        self._draining: set[int] = set()
+        self._outside = 0  # free ids of unmapped and releasing groups (in no list)
+        self._parked = torch.empty((0,), dtype=torch.int64, device=device)  # free ids of draining groups
+        self.max_groups = n
+        self.limit: int | None = None
+        self.reserve = max(0, settings.ELASTIC_RESERVE_PAGES.get())
+        self.release_delay_ns = int(settings.ELASTIC_RELEASE_DELAY_S.get() * 1e9)
+        self._judged_at: int | None = None
+        self._was_idle = False
+        self.step_seq = 0
+        self.lag = 0
+        self.agreement: Agreement | None = None
+        self.frozen = False  # stood aside at run time: every group mapped for good
+        self._spare = 0
+
+    # -- what SGLang asks -----------------------------------------------------------------
+
+    def _staged(self) -> int:
+        raise NotImplementedError
+
+    def _free_ids(self) -> int:
+        return len(self.free_pages) + self._staged()
+
+    def available_ids(self) -> int:
+        """Every free id, mapped or not: what SGLang's accounting counts as available."""
+        return self._free_ids() + self._outside + len(self._parked)
+
+    def schedulable_size(self) -> int:
+        """Tokens that can be allocated now: free ids of mapped groups, and what the limit still lets us map."""
+        return (self._free_ids() + self._spare) * self.page_size
+
+    def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> Any:
+        """SGLang's prefill budget over `schedulable_size`."""
+        return ElasticPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
+
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> bool | None:
+        """Evict unlocked prefix-cache entries until `num_tokens` can be allocated under the limit."""
+        if tree_cache is None or not tree_cache.supports_prefix_sharing():
+            return None
+        shortfall = num_tokens - self.schedulable_size()
+        if shortfall > 0:
+            tree_cache.evict_for_alloc(EvictParams(num_tokens=shortfall))
+        return None
+
+    def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
+                              spec_algorithm: Any = None) -> bool:
+        """Whether the next decode step fits under the limit, after evicting what can be."""
+        self.evict_to_free_tokens(tree_cache, num_tokens)
+        return self.schedulable_size() >= num_tokens
+
+    def get_all_free_pages(self) -> Any:
+        """Every free id (debug census): the free list, staged, parked, and the ids of groups not mapped."""
+        outside = [i for i in range(self.num_groups) if self.gstate[i] in (UNMAPPED, RELEASING)]
+        return torch.cat((super().get_all_free_pages(), self._parked, self._ids_of(outside)))  # type: ignore[misc]
+
+    def clear(self) -> None:
+        """SGLang's clear (every id free), over the groups mapped now."""
+        super().clear()  # type: ignore[misc]
+        self._empty_since.clear()
+        self.free_pages = self._ids_of(i for i in range(self.num_groups) if self.gstate[i] == MAPPED)
+        self._parked = self._ids_of(sorted(self._draining))
+        self._outside = sum(self.group_len[i] for i in range(self.num_groups)
+                            if self.gstate[i] in (UNMAPPED, RELEASING))
+        self._recount()
+
+    def resize(self, config: Any) -> None:
+        """Post-capture resizing: never reached (post-capture pools are not elastic), refused loudly if it were."""
+        raise NotImplementedError("kvcached's elastic KV allocator cannot be resized (post-capture sizing)")
+
+    # -- mapping ----------------------------------------------------------------------------
+
+    def _ids_of(self, groups: Iterable[int]) -> Any:
+        g = self.ids_per_group
+        parts = [torch.arange(max(i * g, 1), max(i * g, 1) + self.group_len[i], dtype=torch.int64,
+                              device=self.device) for i in groups if self.group_len[i] > 0]
+        if not parts:
+            return torch.empty((0,), dtype=torch.int64, device=self.device)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _recount(self) -> None:
+        """What the limit still lets us add to the free list (0 while over it); after every change."""
+        allowed = self.max_groups - self.mapped_count
+        if allowed < 0 or self.frozen:
+            self._spare = 0
+            return
+        k = min(allowed, len(self._unmapped))
+        if k == len(self._unmapped):
+            extra = self._outside - self._releasing_ids
+        else:  # the k lowest unmapped groups hold k full groups, unless the short last one is among them
+            short = self.ids_per_group - self.group_len[self._last] if self.gstate[self._last] == UNMAPPED else 0
+            extra = max(0, k * self.ids_per_group - short)
+        self._spare = self._releasing_ids + extra
+
+    def _grow(self, short: int) -> bool:
+        """Add at least `short` ids to the free list: released groups taken back first, then new ones mapped."""
+        if short > self._spare:
+            return False
+        got = 0
+        back: list[int] = []
+        for i in sorted(self._releasing, reverse=True):
+            if got >= short:
+                break
+            back.append(i)
+            got += self.group_len[i]
+        new: list[int] = []
+        while got < short and self._unmapped:
+            i = heapq.heappop(self._unmapped)
+            new.append(i)
+            got += self.group_len[i]
+        if got < short:  # the spare count promised more than there is: a bug, but never a wrong mapping
+            for i in new:
+                heapq.heappush(self._unmapped, i)
+            return False
+        if new:
+            try:
+                self.elastic_buf.map_groups(new)
+            except BaseException:
+                for i in new:
+                    heapq.heappush(self._unmapped, i)
+                raise
+        for i in back:
+            del self._releasing[i]
+            self._releasing_ids -= self.group_len[i]
+        for i in back + new:
+            self.gstate[i] = MAPPED
+        self._outside -= got
+        self.mapped_count += len(new)
+        self.free_pages = torch.cat((self.free_pages, self._ids_of(back + new)))
+        self._recount()
+        if new:
+            self._publish(force=True)
+        return True
+
+    # -- the step boundary -------------------------------------------------------------------
+
+    def attach(self, group: TPGroup | None, source: SegmentLimit | None = None, *, overlap: bool = False) -> None:
+        """Join the TP group whose ranks must map the same pages; `overlap`: a batch may run past the boundary."""
+        self.agreement = Agreement(group, source, (self.ids_per_group, self.num_groups, self.group_bytes))
+        self.lag = 1 if overlap else 0
+        if not self.agreement.same_geometry():
+            self._freeze("the TP ranks' KV pools are laid out differently")
+
+    def step(self, idle: Callable[[], bool] = lambda: False, tree_cache: Any = None) -> Agreed:
+        """The step boundary (every TP rank, same order): follow the limit, release what no live id holds."""
+        if self.agreement is None:
+            self.attach(None)
+        assert self.agreement is not None
+        agreed = self.agreement.exchange(idle)
+        if self.frozen:
+            return agreed
+        self.step_seq += 1
+        self._apply_limit(agreed.limit)
+        self._release_due(agreed.idle)
+        over = self._kept_groups() > self.max_groups
+        if over and tree_cache is not None:
+            self._evict_for_limit(tree_cache)
+        now = agreed.clock_ns
+        due = (over or bool(self._draining) or self._judged_at is None or (agreed.idle and not self._was_idle)
+               or now - self._judged_at >= self.release_delay_ns // 4)
+        if due:
+            self._judge(now, agreed.idle)
+            self._release_due(agreed.idle)
+            self._publish()
+        self._was_idle = agreed.idle
+        return agreed
+
+    def _kept_groups(self) -> int:
+        return self.mapped_count - len(self._releasing)
+
+    def _apply_limit(self, limit: int | None) -> None:
+        self.limit = limit
+        groups = self.num_groups if limit is None else min(self.num_groups, max(0, limit) // self.group_bytes)
+        if groups != self.max_groups:
+            self.max_groups = groups
+            self._recount()
+
+    def _evict_for_limit(self, tree_cache: Any) -> None:
+        """Over the limit: evict the prefix cache by the excess, so that draining groups can empty."""
+        excess = self._kept_groups() - self.max_groups
+        evictable = int(tree_cache.evictable_size())
+        if excess > 0 and evictable > 0:
+            tree_cache.evict(EvictParams(num_tokens=min(evictable, excess * self.ids_per_group * self.page_size)))
+
+    def _group_mask(self, groups: Iterable[int]) -> Any:
+        mask = torch.zeros(self.num_groups, dtype=torch.bool, device=self.device)
+        idx = list(groups)
+        if idx:
+            mask[torch.tensor(idx, dtype=torch.int64, device=self.device)] = True
+        return mask
+
+    def _census(self) -> list[int]:
+        """Free ids per group, in the free list and parked (one device sync on CUDA)."""
+        ids = torch.cat((self.free_pages, self._parked)) if len(self._parked) else self.free_pages
+        return torch.bincount(ids // self.ids_per_group, minlength=self.num_groups).tolist()
+
+    def _judge(self, now: int, idle: bool) -> None:
+        """Release the groups that hold no live id and are due; drain the excess over the limit."""
+        self._judged_at = now
+        if self._draining:
+            self._park(self._draining)
+        counts = self._census()
+        empty_mapped: list[int] = []
+        empty_draining: list[int] = []
+        for i in range(1, self.num_groups):  # group 0 holds the padding slot: always mapped
+            st = self.gstate[i]
+            if st in (MAPPED, DRAINING) and counts[i] == self.group_len[i]:
+                (empty_mapped if st == MAPPED else empty_draining).append(i)
+                if st == MAPPED:
+                    self._empty_since.setdefault(i, now)
+            else:
+                self._empty_since.pop(i, None)
+        if self._kept_groups() > self.max_groups:
+            victims = empty_mapped + empty_draining
+        else:
+            victims = empty_draining + [i for i in empty_mapped[self.reserve:]
+                                        if idle or now - self._empty_since[i] >= self.release_delay_ns]
+        if victims:
+            self._release(victims)
+        self._plan_drain()
+        # Lowest ids first: live tokens gather in the low groups, the high ones empty and go.
+        self.free_pages = torch.sort(self.free_pages).values
+        self._recount()
+
+    def _release(self, groups: list[int]) -> None:
+        mask = self._group_mask(groups)
+        g = self.ids_per_group
+        self.free_pages = self.free_pages[~mask[self.free_pages // g]]
+        if len(self._parked):
+            self._parked = self._parked[~mask[self._parked // g]]
+        for i in groups:
+            self.gstate[i] = RELEASING
+            self._releasing[i] = self.step_seq
+            self._releasing_ids += self.group_len[i]
+            self._outside += self.group_len[i]
+            self._empty_since.pop(i, None)
+            self._draining.discard(i)
+
+    def _plan_drain(self) -> None:
+        """Keep the lowest groups the limit allows; the others take no new ids until they empty."""
+        kept = [i for i in range(self.num_groups) if self.gstate[i] in (MAPPED, DRAINING)]
+        excess = len(kept) - self.max_groups
+        drain = set(kept[::-1][:max(0, excess)]) - {0}
+        back = self._draining - drain
+        if back:
+            mask = self._group_mask(back)
+            moving = mask[self._parked // self.ids_per_group]
+            self.free_pages = torch.cat((self.free_pages, self._parked[moving]))
+            self._parked = self._parked[~moving]
+            for i in back:
+                self.gstate[i] = MAPPED
+        for i in drain - self._draining:
+            self.gstate[i] = DRAINING
+            self._empty_since.pop(i, None)
+        self._draining = drain
+        if drain:
+            self._park(drain)
+
+    def _park(self, groups: Iterable[int]) -> None:
+        mask = self._group_mask(groups)
+        moving = mask[self.free_pages // self.ids_per_group]
+        if bool(moving.any()):
+            self._parked = torch.cat((self._parked, self.free_pages[moving]))
+            self.free_pages = self.free_pages[~moving]
+
+    def _release_due(self, idle: bool) -> None:
+        """Unmap the released groups no batch in flight can touch (all of them when nothing runs)."""
+        if not self._releasing:
+            return
+        due = sorted(i for i, seq in self._releasing.items() if idle or self.step_seq >= seq + self.lag)
+        if not due:
+            return
+        self.elastic_buf.unmap_groups(due)
+        for i in due:
+            del self._releasing[i]
+            self._releasing_ids -= self.group_len[i]
+            self.gstate[i] = UNMAPPED
+            heapq.heappush(self._unmapped, i)
+        self.mapped_count -= len(due)
+        self._recount()
+        self._publish(force=True)
+
+    def _freeze(self, why: str) -> None:
+        """Stand aside at run time (on every rank alike): map every group for good, no limit."""
+        outside = [i for i in range(self.num_groups) if self.gstate[i] in (UNMAPPED, RELEASING)]
+        self.elastic_pool.stand_aside(why)
+        self.frozen = True
+        self.free_pages = torch.cat((self.free_pages, self._parked, self._ids_of(outside)))
+        self._parked = self._parked[:0]
+        self.gstate = bytearray(MAPPED for _ in range(self.num_groups))
+        self._unmapped, self._releasing, self._draining = [], {}, set()
+        self._releasing_ids = self._outside = 0
+        self.mapped_count = self.max_groups = self.num_groups
+        self._empty_since.clear()
+        self._recount()
+
+    def _publish(self, force: bool = False) -> None:
+        """Used and preallocated memory to the segment (rank 0): groups holding an id, and free mapped ones."""
+        source = self.agreement.source if self.agreement is not None else None
+        if source is None:
+            return
+        idle_groups = len(self._empty_since) + len(self._releasing)
+        source.publish((self.mapped_count - idle_groups) * self.group_bytes, idle_groups * self.group_bytes,
+                       force=force)
+
+    # -- for checks ---------------------------------------------------------------------------
+
+    def stats(self) -> ElasticStats:
+        """A snapshot of the books."""
+        buf = self.elastic_buf
+        return ElasticStats(tuple(buf.mapped_groups()), tuple(sorted(self._releasing)), tuple(sorted(self._draining)),
+                            self.max_groups, self.group_bytes, buf.mapped_bytes,
+                            self.available_ids() * self.page_size, self.schedulable_size())
+
+
+class ElasticTokenAllocator(_ElasticIds, TokenToKVPoolAllocator):
+    """SGLang's page-size-1 allocator (token slots) over an elastic pool."""
+
+    _plain = TokenToKVPoolAllocator
+    _kvcache_position = 3  # (size, dtype, device, kvcache, need_sort)
+
+    def __init__(self, size: int, dtype: Any, device: Any, kvcache: Any, need_sort: bool) -> None:
+        self._elastic_setup(kvcache, size, 1, device)
+        super().__init__(size, dtype, device, kvcache, need_sort)
+
+    def _staged(self) -> int:
+        return len(self.release_pages)
+
+    def available_size(self) -> int:
+        """Every free slot, mapped or not (SGLang's accounting identity counts them all)."""
+        return self.available_ids()
+
+    def alloc(self, need_size: int) -> Any:
+        """SGLang's alloc; when the free list is short, groups are mapped first (None past the limit)."""
+        free = self.free_pages
+        if need_size <= len(free):
+            self.free_pages = free[need_size:]
+            return free[:need_size]
+        if not self._grow(need_size - len(free)):
+            return None
+        return TokenToKVPoolAllocator.alloc(self, need_size)
+
+
+class ElasticPagedAllocator(_ElasticIds, PagedTokenToKVPoolAllocator):
+    """SGLang's paged allocator over an elastic pool."""
+
+    _plain = PagedTokenToKVPoolAllocator
+    _kvcache_position = 4  # (size, page_size, dtype, device, kvcache, need_sort)
+
+    def __init__(self, size: int, page_size: int, dtype: Any, device: Any, kvcache: Any, need_sort: bool) -> None:
+        self._elastic_setup(kvcache, size, page_size, device)
+        super().__init__(size, page_size, dtype, device, kvcache, need_sort)
+
+    def _staged(self) -> int:
+        return int(self.num_staged_pages)
+
+    def available_size(self) -> int:
+        """Every free slot, mapped or not, in tokens."""
+        return self.available_ids() * self.page_size
+
+    def _ensure(self, pages: int) -> bool:
+        short = pages - len(self.free_pages)
+        return short <= 0 or self._grow(short)
+
+    def alloc(self, need_size: int) -> Any:
+        """SGLang's page-aligned alloc, groups mapped first when short."""
+        if not self._ensure(need_size // self.page_size):
+            return None
+        return super().alloc(need_size)
+
+    def alloc_extend(self, prefix_lens: Any, prefix_lens_cpu: Any, seq_lens: Any, seq_lens_cpu: Any,
+                     last_loc: Any, extend_num_tokens: int, num_new_pages: int | None = None) -> Any:
+        """SGLang's extend; when its bound on new pages exceeds the free list, the exact count is mapped first."""
+        if extend_num_tokens // self.page_size + len(prefix_lens) + 1 > len(self.free_pages):
+            if num_new_pages is None:
+                num_new_pages = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size,
+                                                  prefix_lens=prefix_lens_cpu)
+            if not self._ensure(int(num_new_pages)):
+                return None
+        return super().alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
+                                    extend_num_tokens, num_new_pages)
+
+    def alloc_decode(self, seq_lens: Any, seq_lens_cpu: Any, last_loc: Any) -> Any:
+        """SGLang's decode step, new pages mapped first when the free list may be short."""
+        if len(seq_lens) > len(self.free_pages):
+            need = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
+            if not self._ensure(int(need)):
+                return None
+        return super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+

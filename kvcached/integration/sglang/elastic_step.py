@@ -1,0 +1,185 @@
+"""What the TP ranks of one SGLang serve agree on at each step boundary, and where rank 0 reads the limit.
+
+Every TP rank's scheduler runs the same loop on the same broadcast requests,
+so every rank's allocator makes the same alloc and free calls. What could
+still tell them apart is what each would read for itself: the segment's
+limit (written by `kvctl limit` at any moment) and the clock (the release
+delay). So at each step boundary TP rank 0 alone reads the limit (one
+``pread``, `LimitWatch`) and its clock, and broadcasts them, with whether its
+scheduler is idle, on the TP group's CPU (gloo) group, the group SGLang
+broadcasts its requests on; every rank then decides from the same three
+numbers and its own, identical, allocator state. The first exchange also
+checks that every rank laid its pool out the same way (ids per group, groups,
+bytes per group): ranks that differ cannot map the same pages, and the
+allocator then stands aside on every rank alike.
+
+No SGLang import here: torch.distributed only, imported by `Agreement`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ...node.errors import KvcachedError, SegmentMissing
+from ...node.segment import LimitWatch, write_segment
+
+log = logging.getLogger("kvcached.integration.sglang.elastic")
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What every rank decides this step from."""
+
+    limit: int | None  # bytes per rank; None while no segment can be read
+    clock_ns: int  # rank 0's monotonic clock
+    idle: bool  # rank 0's scheduler has nothing queued, running or in flight
+
+
+class TPGroup(Protocol):
+    """The TP group as SGLang's GroupCoordinator presents it (what `Agreement` uses of it)."""
+
+    cpu_group: Any
+    ranks: list[int]
+    rank_in_group: int
+    world_size: int
+
+
+def _deployment_segment() -> str | None:
+    """The segment this serve's rank 0 claimed, else the deployment's by name (picked up once it exists)."""
+    from ..engine_state import claimed_segment, current_engine
+
+    claimed = claimed_segment()
+    if claimed is not None:
+        engine = current_engine()
+        if engine is not None:
+            engine.defer_usage()  # the allocator knows the mapped pages: it publishes used/prealloc
+        return claimed.path
+    from ...node.naming import dp_rank_name, ipc_name_from_env
+    from .. import layout_from_env
+
+    name = ipc_name_from_env(tag="SGLang")
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        dp_rank = get_parallel().dp_rank
+    except Exception:  # outside a scheduler (tests, tools): no DP rank
+        dp_rank = None
+    if dp_rank is not None:
+        name = dp_rank_name(name, int(dp_rank))
+    return layout_from_env().segment_path(name)
+
+
+class SegmentLimit:
+    """Rank 0's segment: the limit, read with one pread per step, and the usage it publishes.
+
+    `path` None: the deployment's segment (`_deployment_segment`), looked up
+    again at each read until one can be opened; until then there is no limit
+    but SGLang's own capacity.
+    """
+
+    def __init__(self, path: str | None = None, *, locate: Callable[[], str | None] = _deployment_segment) -> None:
+        self.path = path
+        self._locate = locate
+        self._watch: LimitWatch | None = None
+        self._warned = False
+        self._published: tuple[int, int] | None = None
+
+    def read(self) -> int | None:
+        """The limit in bytes per rank now, or None while there is no segment to read."""
+        path = self.path
+        try:
+            if self._watch is None:
+                path = self.path or self._locate()
+                if path is None:
+                    return None
+                watch = LimitWatch(path)
+                value = watch.read()
+                self.path, self._watch = path, watch
+                return value
+            return self._watch.read()
+        except SegmentMissing:
+            if not self._warned:
+                log.warning("kvcached: no limit segment at %s yet; SGLang's capacity is the only limit until it "
+                            "appears", path)
+                self._warned = True
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
+            return None
+        except (KvcachedError, OSError) as e:
+            if not self._warned:
+                log.warning("kvcached: cannot read the limit from %s: %s", path, e)
+                self._warned = True
+            return None
+
+    def publish(self, used: int, prealloc: int, *, force: bool = False) -> None:
+        """Write used/prealloc (bytes per rank) to the segment when they changed. Never raises."""
+        if self._watch is None or self.path is None:
+            return
+        if not force and self._published == (used, prealloc):
+            return
+        try:
+            write_segment(self.path, used=used, prealloc=prealloc)
+            self._published = (used, prealloc)
+        except (KvcachedError, OSError) as e:
+            log.debug("kvcached: cannot publish usage to %s: %s", self.path, e)
+
+    def close(self) -> None:
+        """Close the limit's file (idempotent)."""
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+
+class Agreement:
+    """One rank's side of the step boundary's exchange (TP = 1: no group, nothing is sent)."""
+
+    def __init__(self, group: TPGroup | None, source: SegmentLimit | None, geometry: Sequence[int],
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
+        self.group = group if group is not None and group.world_size > 1 else None
+        self.rank = 0 if self.group is None else self.group.rank_in_group
+        if self.rank == 0 and source is None:
+            source = SegmentLimit()
+        self.source = source if self.rank == 0 else None
+        self.geometry = tuple(int(g) for g in geometry)
+        self.clock = clock
+        self._same: bool | None = True if self.group is None else None
+
+    def exchange(self, idle: Callable[[], bool]) -> Agreed:
+        """Rank 0's limit, clock and idleness, on every rank; `idle` is called on rank 0 only."""
+        if self.rank == 0:
+            assert self.source is not None
+            mine = Agreed(self.source.read(), self.clock(), bool(idle()))
+        else:
+            mine = Agreed(None, 0, False)
+        if self.group is None:
+            return mine
+        import torch
+        import torch.distributed as dist
+
+        values = torch.tensor([-1 if mine.limit is None else mine.limit, mine.clock_ns, int(mine.idle)],
+                              dtype=torch.int64)
+        dist.broadcast(values, src=self.group.ranks[0], group=self.group.cpu_group)
+        limit, clock_ns, flag = (int(v) for v in values.tolist())
+        return Agreed(None if limit < 0 else limit, clock_ns, bool(flag))
+
+    def same_geometry(self) -> bool:
+        """Whether every rank laid its pool out as this one did (asked once, on the first boundary)."""
+        if self._same is not None:
+            return self._same
+        import torch
+        import torch.distributed as dist
+
+        assert self.group is not None
+        mine = torch.tensor(self.geometry, dtype=torch.int64)
+        got = [torch.zeros_like(mine) for _ in range(self.group.world_size)]
+        dist.all_gather(got, mine, group=self.group.cpu_group)
+        layouts = {tuple(int(v) for v in g.tolist()) for g in got}
+        self._same = len(layouts) == 1
+        if not self._same:
+            log.warning("kvcached: the TP ranks laid their KV pools out differently (%s)", sorted(layouts))
+        return self._same
