@@ -5,12 +5,15 @@ side by side in the same run; nothing here asserts a time. The scripts run in
 sequence, never in parallel, so that one does not load the machine under
 another's measurement.
 
-1. bench_cli_start.py  `kvctl gc --dry-run` cold start vs `python -c "import torch"`
+1. bench_cli_start.py  kvctl's start-up: `kvctl gc --dry-run` vs `python -c "import typer"`,
+                       one TAB completion vs `python -c pass` (paired runs, one ratio each)
 2. bench_gc.py         gc dry run vs a bare lstat+connect+stat loop (1,000 and 2,000
                        deployments), the /proc fact pass vs `ss -xap`, owner cleanup
 3. bench_pages.py      extension map+unmap vs a bare mmap/munmap loop; pool alloc/free
 4. bench_elastic.py    vLLM's BlockPool vs kvcached's elastic one (cost per block), and
                        the memory mapped for a bursty trace vs vLLM's full preallocation
+5. bench_engines.py    plain gc against main's tree (must not be slower), and what `gc --engines`
+                       adds over 1,000 psm_ files and 200 processes vs a bare maps-reading loop
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = [["bench_cli_start.py"], ["bench_gc.py"], ["bench_pages.py"], ["bench_elastic.py"]]
+SCRIPTS = [["bench_cli_start.py"], ["bench_gc.py"], ["bench_pages.py"], ["bench_elastic.py"], ["bench_engines.py"]]
 
 
 def main() -> int:

@@ -1,4 +1,5 @@
-"""kvctl's exit codes, and the one place that maps an exception to a code and a one-line message."""
+"""kvctl's exit codes, the two tables that map the node layer's outcomes and error categories to them,
+and the one place that maps an exception to a code and a one-line message."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import errno
 import sys
 from enum import IntEnum
 
+from kvcached.node.enums import Category, Outcome
+
 
 class Exit(IntEnum):
-    """Documented in docs/KVCTL.md; scripts and alerting rely on these numbers."""
+    """Documented in README.md ("Exit codes"); scripts and alerting rely on these numbers."""
 
     OK = 0               # success; for gc: nothing stale remains
     ERROR = 1            # an operation failed (I/O error, unexpected state); see the message
@@ -22,6 +25,28 @@ class Exit(IntEnum):
     INTERRUPTED = 130    # Ctrl-C
 
 
+# How a gc or delete run ended -> its code. Total over Outcome (a test holds it so).
+OUTCOME_EXIT: dict[Outcome, Exit] = {
+    Outcome.CLEAN: Exit.OK,
+    Outcome.STALE_REMAIN: Exit.STALE_REMAIN,
+    Outcome.PARTIAL_FAILURE: Exit.PARTIAL_FAILURE,
+}
+
+# What kind of failure a kvcached error is -> its code. Total over Category (a test holds it so).
+CATEGORY_EXIT: dict[Category, Exit] = {
+    Category.FAILED: Exit.ERROR,
+    Category.BAD_INPUT: Exit.USAGE,
+    Category.NOT_FOUND: Exit.NOT_FOUND,
+    Category.REFUSED: Exit.REFUSED,
+    Category.BUSY: Exit.LOCK_BUSY,
+}
+
+
+def exit_of(outcome: Outcome) -> Exit:
+    """The exit code of a gc or delete run that ended with `outcome`."""
+    return OUTCOME_EXIT[outcome]
+
+
 class CliError(Exception):
     """A failure a command reports as one line with its own exit code."""
 
@@ -30,55 +55,33 @@ class CliError(Exception):
         self.code = code
 
 
-def _code_for_library(exc: BaseException) -> Exit | None:
-    # Imported here so that `kvctl --help` does not pay for the library.
-    from kvcached.node.errors import InvalidName, KvcachedError, NotASegment, PathTooLong, SegmentMissing
-    from kvcached.node.gclock import LockBusy
-    from kvcached.node.gcrun import NoMatch, Refused
-    from kvcached.node.units import BadValue
-    from kvcached.node.view import ProcessNotFound
-
-    for types, code in (((BadValue, InvalidName, PathTooLong), Exit.USAGE),
-                        ((SegmentMissing, ProcessNotFound, NoMatch), Exit.NOT_FOUND),
-                        ((NotASegment, Refused), Exit.REFUSED), ((LockBusy,), Exit.LOCK_BUSY),
-                        ((KvcachedError,), Exit.ERROR)):
-        if isinstance(exc, types):
-            return code
-    return None
-
-
 def describe(exc: BaseException) -> tuple[Exit, str | None]:
     """(exit code, one-line message or None for silence) for any exception that reached the top."""
-    from typer import exceptions as typer_exc
-    from typer._click import exceptions as click_exc
+    import typer
+
+    from kvcached.node.errors import KvcachedError
+
+    from .typer_adapter import ClickException, UsageError
 
     if isinstance(exc, CliError):
         return exc.code, str(exc)
-    if isinstance(exc, (KeyboardInterrupt, typer_exc.Abort)):
+    if isinstance(exc, KvcachedError):
+        return CATEGORY_EXIT[exc.category], str(exc)
+    if isinstance(exc, (KeyboardInterrupt, typer.Abort)):
         return Exit.INTERRUPTED, "interrupted"
-    if isinstance(exc, typer_exc.Exit):
+    if isinstance(exc, typer.Exit):
         return Exit(exc.exit_code) if exc.exit_code in Exit._value2member_map_ else Exit.ERROR, None
-    if isinstance(exc, click_exc.UsageError):
+    if isinstance(exc, UsageError):
         where = exc.ctx.command_path if exc.ctx is not None else "kvctl"
         return Exit.USAGE, f"usage error: {exc.format_message()} (see '{where} --help')"
-    if isinstance(exc, click_exc.ClickException):
+    if isinstance(exc, ClickException):
         return Exit.ERROR, exc.format_message()
     if isinstance(exc, BrokenPipeError) or (isinstance(exc, OSError) and exc.errno == errno.EPIPE):
         return Exit.ERROR, None  # the reader went away (`kvctl list | head`): nothing to say to it
-    code = _code_for_library(exc)
-    if code is not None:
-        return code, str(exc)
     if isinstance(exc, OSError):
         where = f"{exc.filename}: " if exc.filename else ""
         return Exit.ERROR, f"{where}{exc.strerror or exc}"
     return Exit.ERROR, f"internal error: {type(exc).__name__}: {exc} (run 'kvctl -v ...' for the traceback)"
-
-
-def error_document(code: Exit, message: str | None) -> dict[str, object]:
-    """What `--json` prints on stdout when a command fails (kvctl/schemas/error.json)."""
-    return {"schema": "kvctl.error/1", "error": {"code": int(code), "name": code.name.lower(),
-                                                 "message": message or code.name.lower().replace("_", " ")},
-            "exit_code": int(code)}
 
 
 def handle(exc: BaseException, *, verbose: bool, json_out: bool = False) -> int:
@@ -93,6 +96,7 @@ def handle(exc: BaseException, *, verbose: bool, json_out: bool = False) -> int:
 
         error_line(message)
     if json_out and code is not Exit.OK and message is not None:
+        from .documents import error_document
         from .render import emit_json
 
         try:

@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .render import Out, state_cell
+from kvcached.node.enums import Kind
+
+from .render import Out, size_cells, state_cell
 
 Draw = Callable[[Out], None]
 
@@ -99,10 +101,10 @@ def _captured(draw: Draw, out: Out) -> Any:
 
 def draw_list(names: Sequence[str], plan_view: Callable[[Sequence[str]], Any]) -> Draw:
     """The `watch` frame: the list table of the deployments matching `names` (all when empty)."""
-    from .listing import list_rows, size_cells
+    from .documents import list_document
 
     def draw(out: Out) -> None:
-        rows = [[r["ipc"], state_cell(r["state"]), *size_cells(r)[:3]] for r in list_rows(plan_view(names))]
+        rows = [[r["ipc"], state_cell(r["state"]), *size_cells(r)[:3]] for r in list_document(plan_view(names))]
         if rows:
             out.table(["NAME", "STATE", "LIMIT", "USED", "PREALLOC"], rows, indent=0, fold=(0,))
         else:
@@ -128,7 +130,7 @@ def draw_top(names: Sequence[str], plan_view: Callable[[Sequence[str]], Any], ro
                 # Ten cells: the whole row fits 80 columns beside a name that folds.
                 filled = min(10, round(10 * (i.used + i.prealloc) / i.total))
                 bar = "#" * filled + "." * (10 - filled)
-            socks = sum(1 for e in d.entries if str(e.kind) == "socket")
+            socks = sum(1 for e in d.entries if e.kind is Kind.SOCKET)
             rows.append([d.name, state_cell(d.state), format_size(i.total if i else None),
                          format_size(i.used if i else None), format_size(i.prealloc if i else None), pct, bar,
                          str(socks), str(len(d.processes)),

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 import sys
-import unicodedata
 from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any, Union
+
+from kvcached.node.enums import Action, Kind, State
 
 if TYPE_CHECKING:
     from kvcached.node.cleanup import Entry, Report
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 Cell = Union[str, tuple[str, str]]  # text, or (text, style)
 
+# The colour of each state, action and doctor status, by its value (what JSON documents carry too).
 STATE_STYLE = {"live": "green", "stale": "red", "unknown": "yellow", "young": "cyan", "foreign": "magenta",
                "ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim",
                "removed": "red", "would_remove": "red", "kept": "dim", "failed": "bold red"}
@@ -31,6 +33,8 @@ def safe(text: object) -> str:
     s = str(text)
     if s.isprintable():
         return s
+    import unicodedata  # only for the rare name that is not printable as it is
+
     out = []
     for ch in s:
         o = ord(ch)
@@ -66,14 +70,14 @@ def note(message: str) -> None:
     print(safe(message), file=sys.stderr, flush=True)
 
 
-def emit_json(obj: Any, stream: IO[str] | None = None) -> None:
-    """One JSON document on stdout (machine output)."""
+def emit_json(obj: Any, stream: IO[str] | None = None, *, one_line: bool = False) -> None:
+    """One JSON document on stdout (machine output); `one_line`: compact even on a terminal (a line per run)."""
     import json
 
     stream = stream or sys.stdout
     # Indented for a person at a terminal; compact for scripts, because only the
     # compact form takes the C encoder (10x faster on a node with 10k entries).
-    pretty = stream.isatty()
+    pretty = stream.isatty() and not one_line
     stream.write(json.dumps(obj, indent=2 if pretty else None, separators=None if pretty else (",", ":"),
                             default=str) + "\n")
     stream.flush()
@@ -178,9 +182,19 @@ class Out:
         self.stream.flush()
 
 
-def state_cell(state: object) -> Cell:
-    s = str(state)
-    return (s, STATE_STYLE.get(s, ""))
+def state_cell(state: str) -> Cell:
+    """A state, action or check status, in its colour."""
+    return (str(state), STATE_STYLE.get(state, ""))
+
+
+def size_cells(r: dict[str, Any]) -> list[Cell]:
+    """LIMIT, USED, PREALLOC, FREE of a `list` row; a negative value is shown as the impossible value it is."""
+    from kvcached.node.units import format_size
+
+    def cell(v: int | None) -> Cell:
+        return (f"{v}!", "bold red") if v is not None and v < 0 else format_size(v)
+
+    return [cell(r["limit_bytes"]), cell(r["used_bytes"]), cell(r["prealloc_bytes"]), cell(r["free_bytes"])]
 
 
 # shapes shared by several commands ------------------------------------------
@@ -195,7 +209,7 @@ def _entry_label(e: Entry, base: str | None) -> str:
     path = e.path
     if base and path.startswith(base + "/"):
         path = path[len(base) + 1:]
-    return path + ("/" if str(e.kind) == "directory" else "")
+    return path + ("/" if e.kind is Kind.DIRECTORY else "")
 
 
 def render_view(out: Out, view: NodeView, *, now: float, hint: Callable[[str], str] = lambda c: f"kvctl {c}") -> None:
@@ -222,7 +236,7 @@ def render_view(out: Out, view: NodeView, *, now: float, hint: Callable[[str], s
                 nums = d.segment_error or f"not read ({seg.state}: {seg.decision.reason})"
             out.line(f"segment {seg.path}  {nums}  age {format_duration(now - seg.candidate.mtime)}  "
                      f"uid {seg.candidate.uid}", indent=2)
-        sock_root = next((e for e in d.entries if str(e.kind) == "directory" and e.candidate.stage is None), None)
+        sock_root = next((e for e in d.entries if e.kind is Kind.DIRECTORY and e.candidate.stage is None), None)
         rows = []
         for e in d.entries:
             base = sock_root.path if sock_root is not None and e is not sock_root else None
@@ -280,8 +294,8 @@ def render_view(out: Out, view: NodeView, *, now: float, hint: Callable[[str], s
         from collections import Counter
 
         by_state = Counter(str(d.state) for d in view.deployments)
-        stale = sum(1 for d in view.deployments for e in d.entries if str(e.state) == "stale")
-        stale += sum(1 for e in view.unowned if str(e.state) == "stale")
+        stale = sum(1 for d in view.deployments for e in d.entries if e.state is State.STALE)
+        stale += sum(1 for e in view.unowned if e.state is State.STALE)
         line = f"{len(view.deployments)} deployment(s): " + ", ".join(f"{n} {s}" for s, n in sorted(by_state.items()))
         out.line(
             line
@@ -289,14 +303,11 @@ def render_view(out: Out, view: NodeView, *, now: float, hint: Callable[[str], s
         )
 
 
-_VERBS = {"removed": "Removed", "would_remove": "Would remove", "kept": "Kept", "failed": "FAILED"}
+_VERBS = {Action.REMOVED: "Removed", Action.WOULD_REMOVE: "Would remove", Action.KEPT: "Kept", Action.FAILED: "FAILED"}
 
 
 def render_report(out: Out, report: Report, *, verbose: bool, by_deployment: bool = False) -> None:
     """gc's and delete's report: a row per entry (live ones only with -v), or one per deployment; then the summary."""
-    from kvcached.node.cleanup import Action
-    from kvcached.node.decide import State
-
     if by_deployment and not verbose:
         render_by_deployment(out, report)
     else:
@@ -307,7 +318,7 @@ def render_report(out: Out, report: Report, *, verbose: bool, by_deployment: boo
             detail = e.decision.detail + (f"; {e.note}" if e.note else "")
             rows.append(
                 [
-                    (_VERBS[str(e.action)], STATE_STYLE.get(str(e.action), "")),
+                    (_VERBS[e.action], STATE_STYLE.get(e.action, "")),
                     str(e.kind),
                     e.path,
                     state_cell(e.state),
@@ -326,25 +337,25 @@ def render_by_deployment(out: Out, report: Report) -> None:
     """One row per deployment: what is (or would be) removed, kept and why, failed. Fits a screen at any node size."""
     from collections import Counter
 
-    acted: dict[str, Counter] = {}
-    why: dict[str, Counter] = {}
+    acted: dict[str, Counter[Action]] = {}
+    why: dict[str, Counter[str]] = {}
     for e in report.entries:
         dep = e.candidate.deployment or "(none)"
-        acted.setdefault(dep, Counter())[str(e.action)] += 1
-        if str(e.action) == "kept":
+        acted.setdefault(dep, Counter())[e.action] += 1
+        if e.action is Action.KEPT:
             why.setdefault(dep, Counter())[f"{e.state}: {e.decision.reason}"] += 1
     verb = "WOULD REMOVE" if report.dry_run else "REMOVED"
     rows: list[list[Cell]] = []
     for dep in sorted(acted):
         c = acted[dep]
-        gone = c["would_remove"] + c["removed"]
+        gone = c[Action.WOULD_REMOVE] + c[Action.REMOVED]
         kept = ", ".join(f"{n} {w}" for w, n in sorted(why.get(dep, Counter()).items()))
         rows.append(
             [
                 dep,
                 (str(gone), "red") if gone else "0",
-                str(c["kept"]),
-                (str(c["failed"]), "bold red") if c["failed"] else "0",
+                str(c[Action.KEPT]),
+                (str(c[Action.FAILED]), "bold red") if c[Action.FAILED] else "0",
                 kept or "-",
             ]
         )
@@ -362,7 +373,7 @@ def summary_line(report: Report) -> str:
     count = acts["would_remove"] if report.dry_run else acts["removed"]
     line = f"gc: {verb} {count}, kept {acts['kept']}" + (f" ({kept_bits})" if kept_bits else "")
     line += f", {acts['failed']} failed" if acts["failed"] else ""
-    stale_kept = sum(1 for e in report.stale_remaining if str(e.action) != "failed")
+    stale_kept = sum(1 for e in report.stale_remaining if e.action is not Action.FAILED)
     line += f", {stale_kept} stale kept" if stale_kept and not report.dry_run else ""
     return line + ("; time limit reached" if report.timed_out else "")
 

@@ -7,16 +7,49 @@ import pwd
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvcached.node.layout import Layout
 
 TEST_USER = "kvctest"
+REPO = Path(__file__).resolve().parents[1]
+# The installed command, as an operator runs it: the venv's bin/, next to this interpreter.
+KVCTL = str(Path(sys.executable).with_name("kvctl"))
+
+
+def both(argname: str = "patched", *, indirect: bool = True) -> pytest.MarkDecorator:
+    """Run a test twice: with kvcached's patch on (`argname` True, id "patched") and off (False, "unpatched").
+
+    `indirect`: the value goes to the fixture of that name (which applies or reverts the patch), not
+    straight to the test.
+    """
+    return pytest.mark.parametrize(argname, [True, False], ids=["patched", "unpatched"], indirect=indirect)
+
+
+def _require_vllm() -> None:
+    """With KVCACHED_REQUIRE_VLLM=1 (CI sets it), stop the session unless vLLM imports.
+
+    The vLLM integration modules skip when vLLM is absent, which is right on a
+    developer's machine without it and wrong in CI: there a failed install would
+    pass as seven skipped modules. Importing it here, before collection, fails
+    the whole run instead, and no skip can hide it.
+    """
+    if os.environ.get("KVCACHED_REQUIRE_VLLM", "") != "1":
+        return
+    try:
+        import vllm
+    except Exception as e:  # noqa: BLE001 - whatever stops the import stops the run
+        raise pytest.UsageError(
+            f"KVCACHED_REQUIRE_VLLM=1, but vLLM does not import ({type(e).__name__}: {e}); its integration tests "
+            "would be skipped. Install it into this venv: bash scripts/install-vllm.sh") from None
+    print(f"kvcached tests: vLLM {getattr(vllm, '__version__', '?')} required and present")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -39,7 +72,16 @@ def pytest_configure(config: pytest.Config) -> None:
         if var not in os.environ:
             os.makedirs(os.path.join(scratch, sub))
             os.environ[var] = os.path.join(scratch, sub)
+    # Engines started by tests (the harness's, vLLM's in process) do not sweep their node at start-up: a test
+    # plants dead state to see what kvctl or the owner makes of it, and a sweep in the background would race
+    # it. The sweep's own tests (tests/fs/test_startup_sweep.py) turn it on for the engines they start.
+    os.environ.setdefault("KVCACHED_STARTUP_SWEEP", "0")
     config._kvcached_psm_before = _vllm_shm()  # type: ignore[attr-defined]
+    try:
+        _require_vllm()
+    except pytest.UsageError:
+        pytest_unconfigure(config)  # pytest will not: leave nothing of this session behind
+        raise
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

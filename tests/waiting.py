@@ -1,4 +1,4 @@
-"""The one way tests wait for something to happen: poll, then fail with a message."""
+"""The one way tests wait for something to happen: poll a condition, then fail with a message."""
 
 from __future__ import annotations
 
@@ -17,3 +17,33 @@ def wait_for(cond: Callable[[], object], timeout: float = 10.0, interval: float 
         if time.monotonic() > deadline:
             raise AssertionError(f"not met within {timeout:g}s" + (f": {explain()}" if explain else ""))
         time.sleep(interval)
+
+
+def proc_state(pid: int, proc_root: str = "/proc") -> str | None:
+    """The state letter of `/proc/<pid>/stat` (R, S, D, T stopped, t traced, Z zombie, ...); None once it is gone."""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold anything, ")" and spaces included.
+    fields = raw.rsplit(b")", 1)[-1].split()
+    return fields[0].decode() if fields else None
+
+
+def wait_for_state(pid: int, states: str, timeout: float = 10.0) -> str:
+    """Wait until process `pid` is in one of `states` (letters of /proc/<pid>/stat, e.g. "T"); return it.
+
+    Fails (AssertionError) after `timeout` seconds, or at once when the process is gone.
+    """
+    seen: list[str | None] = [None]
+
+    def reached() -> bool:
+        seen[0] = proc_state(pid)
+        if seen[0] is None:
+            raise AssertionError(f"process {pid} is gone; it never reached state {states!r}")
+        return seen[0] in states
+
+    wait_for(reached, timeout, interval=0.002,
+             explain=lambda: f"process {pid} is in state {seen[0]!r}, not one of {states!r}")
+    return seen[0]  # type: ignore[return-value]

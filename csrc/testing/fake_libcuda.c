@@ -41,10 +41,19 @@
  * CUDA_ERROR_NO_DEVICE; FAKE_CUDA_MEM_BYTES caps what cuMemCreate hands out
  * (CUDA_ERROR_OUT_OF_MEMORY past it); FAKE_CUDA_DEVICES sets the device count.
  *
- * For tests, through ctypes: fake_cuda_stat(name) reads a counter,
+ * For tests, through ctypes: fake_cuda_stat(name) reads a counter, and
  * fake_cuda_fail(fn, after, times, rc) makes the named entry point fail with
- * rc `times` times once it has succeeded `after` more times, and
- * fake_cuda_delay(fn, ms) makes it sleep before it takes the fake's lock.
+ * rc `times` times once it has succeeded `after` more times.
+ *
+ * Holds, so that a test knows a thread is inside the driver instead of
+ * sleeping to guess it: fake_cuda_hold(fn, max_ms) makes the next call of the
+ * named entry point stop on entry, before it takes the fake's lock (as a slow
+ * driver call would, with the caller's own locks held);
+ * fake_cuda_wait_held(fn, ms) blocks until a thread is held there (1) or `ms`
+ * pass (0); fake_cuda_release(fn) lets it go on (a release before the call
+ * arrives cancels the hold). A hold nobody releases ends by itself after
+ * `max_ms` and is counted (stat "hold_timeouts"): the test that armed it could
+ * not run meanwhile, which is what such a test checks.
  *
  * Built by the test: cc -shared -fPIC -pthread -o libcuda.so.1 fake_libcuda.c
  */
@@ -123,7 +132,10 @@ struct fault {
   int after;
   int times;
   CUresult rc;
-  int delay_ms;
+  int hold_armed;  /* the next call stops on entry */
+  int hold_max_ms;
+  int held;        /* threads stopped on entry right now */
+  int released;    /* fake_cuda_release ran since the hold was armed */
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -134,7 +146,11 @@ static fake_ctx g_ctx[MAX_DEVICES];
 static struct reservation* g_reservations;
 static struct allocation* g_allocations;
 static struct fault g_faults[8];
-static long long g_init_calls, g_foreign_calls, g_violations;
+static long long g_init_calls, g_foreign_calls, g_violations, g_hold_timeouts;
+/* Signalled when a thread is held and when a hold is released; waits use the
+ * monotonic clock, so a clock step cannot end or stretch them. */
+static pthread_cond_t g_hold_cv;
+static pthread_once_t g_hold_once = PTHREAD_ONCE_INIT;
 static __thread CUcontext t_stack[MAX_PUSH];
 static __thread int t_depth;
 
@@ -165,10 +181,59 @@ void fake_cuda_fail(const char* fn, int after, int times, int rc) {
   pthread_mutex_unlock(&g_mu);
 }
 
-void fake_cuda_delay(const char* fn, int ms) {
+static void hold_cv_init(void) {
+  pthread_condattr_t attr;
+  pthread_condattr_init(&attr);
+  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  pthread_cond_init(&g_hold_cv, &attr);
+  pthread_condattr_destroy(&attr);
+}
+
+static struct timespec deadline_in(int ms) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  t.tv_sec += ms / 1000;
+  t.tv_nsec += (long)(ms % 1000) * 1000000L;
+  if (t.tv_nsec >= 1000000000L) {
+    t.tv_sec++;
+    t.tv_nsec -= 1000000000L;
+  }
+  return t;
+}
+
+void fake_cuda_hold(const char* fn, int max_ms) {
+  pthread_once(&g_hold_once, hold_cv_init);
   pthread_mutex_lock(&g_mu);
   struct fault* f = fault_for(fn, 1);
-  if (f) f->delay_ms = ms;
+  if (f) {
+    f->hold_armed = 1;
+    f->hold_max_ms = max_ms;
+    f->released = 0;
+  }
+  pthread_mutex_unlock(&g_mu);
+}
+
+int fake_cuda_wait_held(const char* fn, int ms) {
+  pthread_once(&g_hold_once, hold_cv_init);
+  struct timespec until = deadline_in(ms);
+  int rc = 0, held = 0;
+  pthread_mutex_lock(&g_mu);
+  struct fault* f = fault_for(fn, 0);
+  while (f && f->held == 0 && rc == 0) rc = pthread_cond_timedwait(&g_hold_cv, &g_mu, &until);
+  held = f && f->held > 0;
+  pthread_mutex_unlock(&g_mu);
+  return held;
+}
+
+void fake_cuda_release(const char* fn) {
+  pthread_once(&g_hold_once, hold_cv_init);
+  pthread_mutex_lock(&g_mu);
+  struct fault* f = fault_for(fn, 0);
+  if (f) {
+    f->released = 1;
+    f->hold_armed = 0;
+    pthread_cond_broadcast(&g_hold_cv);
+  }
   pthread_mutex_unlock(&g_mu);
 }
 
@@ -204,6 +269,8 @@ long long fake_cuda_stat(const char* name) {
     v = g_foreign_calls;
   } else if (strcmp(name, "violations") == 0) {
     v = g_violations;
+  } else if (strcmp(name, "hold_timeouts") == 0) {
+    v = g_hold_timeouts;
   }
   pthread_mutex_unlock(&g_mu);
   return v;
@@ -229,22 +296,30 @@ static CUresult admit(const char* fn) {
   return OK;
 }
 
-static void pause_if_asked(const char* fn) {
+/* Stops here while a hold on `fn` is armed (see the header); the wait gives
+ * the fake's lock up, so other threads' driver calls go on meanwhile. */
+static void hold_if_asked(const char* fn) {
   pthread_mutex_lock(&g_mu);
   struct fault* f = fault_for(fn, 0);
-  int ms = f ? f->delay_ms : 0;
-  pthread_mutex_unlock(&g_mu);
-  if (ms > 0) {
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
+  if (f && f->hold_armed && !f->released) {
+    f->hold_armed = 0;
+    f->held++;
+    pthread_cond_broadcast(&g_hold_cv);
+    struct timespec until = deadline_in(f->hold_max_ms);
+    int rc = 0;
+    while (!f->released && rc == 0) rc = pthread_cond_timedwait(&g_hold_cv, &g_mu, &until);
+    if (!f->released) g_hold_timeouts++;
+    f->released = 0;
+    f->held--;
   }
+  pthread_mutex_unlock(&g_mu);
 }
 
-/* Defines entry point `name` around `impl`: delay, lock, admit, run, unlock. */
+/* Defines entry point `name` around `impl`: hold, lock, admit, run, unlock. */
 #define ENTRY(name, params, args)                   \
   static CUresult name##_impl params;               \
   CUresult name params {                            \
-    pause_if_asked(#name);                          \
+    hold_if_asked(#name);                           \
     pthread_mutex_lock(&g_mu);                      \
     CUresult rc = admit(#name);                     \
     if (rc == OK) rc = name##_impl args;            \

@@ -1,4 +1,4 @@
-"""The cleanup engine: scan → facts → decide → guarded act, and its report.
+"""The cleanup engine: scan → facts → decide → guarded act, and its report (report.py).
 
 Dry run is this same path with one guard at the removing syscall, so the plan a
 dry run prints is what a real run in a quiet state removes.
@@ -10,60 +10,17 @@ import fcntl
 import fnmatch
 import os
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from .decide import Decision, Policy, State, decide_tree, settle
-from .enums import StrEnum
+from .enums import Action
 from .facts import Facts, gather_facts
 from .ident import Unlinked, fd_handle, same_file, unlink_if_same
 from .layout import Layout
 from .lease import ofd_lock
+from .report import Entry, Report
 from .scan import Candidate, Kind, scan
-
-
-class Action(StrEnum):
-    REMOVED = "removed"
-    WOULD_REMOVE = "would_remove"
-    KEPT = "kept"
-    FAILED = "failed"
-
-
-class Entry(NamedTuple):
-    """One reported piece of state: what it is, what we decided, what we did.
-
-    Immutable, and a NamedTuple for the reason Candidate is one: a run reports
-    every entry of the node.
-    """
-
-    candidate: Candidate
-    decision: Decision
-    action: Action
-    note: str = ""  # why the act differed from the plan, or the error
-
-    @property
-    def kind(self) -> Kind:
-        return self.candidate.kind
-
-    @property
-    def path(self) -> str:
-        return self.candidate.path
-
-    @property
-    def state(self) -> State:
-        return self.decision.state
-
-    def to_dict(self) -> dict[str, object]:
-        c, d = self.candidate, self.decision
-        return {
-            "kind": str(c.kind), "path": c.path, "deployment": c.deployment,
-            "state": str(d.state), "action": str(self.action), "reason": str(d.reason),
-            "detail": d.detail + (f"; {self.note}" if self.note else ""),
-            "pids": list(d.pids), "rank": c.rank, "stage": c.stage,
-            "uid": c.uid, "mtime": c.mtime, "type": str(c.ftype),
-        }
 
 
 @dataclass
@@ -84,42 +41,6 @@ class Plan:
 
     def entries(self) -> list[tuple[Candidate, Decision]]:
         return [(c, self.decisions[c.path]) for root in self.roots for c in root.walk()]
-
-
-@dataclass
-class Report:
-    dry_run: bool
-    entries: list[Entry]
-    errors: list[str]
-    started: float
-    finished: float
-    timed_out: bool = False
-    # (state, action, kind) -> entries, counted on the first question: summaries and metrics ask dozens
-    _counts: Counter[tuple[State, Action, Kind]] | None = field(default=None, init=False, repr=False,
-                                                              compare=False)
-
-    def count(self, *, state: State | None = None, action: Action | None = None, kind: Kind | None = None) -> int:
-        """How many entries have the given state, action and kind (None: any)."""
-        counts = self._counts
-        if counts is None:
-            counts = self._counts = Counter((e.decision.state, e.action, e.candidate.kind) for e in self.entries)
-        return sum(n for (s, a, k), n in counts.items()
-                   if (state is None or s is state) and (action is None or a is action) and (kind is None or k is kind))
-
-    @property
-    def failures(self) -> list[Entry]:
-        return [e for e in self.entries if e.action is Action.FAILED]
-
-    @property
-    def stale_remaining(self) -> list[Entry]:
-        return [e for e in self.entries if e.state is State.STALE and e.action is not Action.REMOVED]
-
-    def summary(self) -> dict[str, object]:
-        by_state = {str(s): self.count(state=s) for s in State}
-        by_action = {str(a): self.count(action=a) for a in Action}
-        return {"entries": len(self.entries), "states": by_state, "actions": by_action,
-                "errors": len(self.errors), "timed_out": self.timed_out,
-                "seconds": round(self.finished - self.started, 4)}
 
 
 def _matches(c: Candidate, globs: Sequence[str]) -> bool:
@@ -343,7 +264,8 @@ def execute(
         if seg is not None and seg.path not in gone and p.decisions[seg.path].state is State.STALE:
             note = f"kept: it names segment {seg.path}, which remains"
         actor.act_root_dir(p.layout.tmp_dir, c, p.decisions, note)
-    return Report(dry_run, actor.entries, list(p.errors), started, time.time(), actor.timed_out)
+    return Report(dry_run=dry_run, entries=actor.entries, errors=list(p.errors), started=started,
+                  finished=time.time(), timed_out=actor.timed_out)
 
 
 def run_cleanup(

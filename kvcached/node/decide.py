@@ -1,4 +1,4 @@
-"""The one decision function (DESIGN.md §3): (candidate, facts, policy, now) → (state, reason).
+"""The one decision function (docs/CLEANER.md §3): (candidate, facts, policy, now) → (state, reason).
 
 Pure: it reads the candidate's recorded observations and the facts of one
 /proc pass, and touches nothing. Every caller (runtime start-up, the engine
@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from .enums import StrEnum
+from .enums import State, StrEnum
 from .facts import START_SLACK, Facts
 from .naming import default_name_pgid
 from .scan import Candidate, FileType, Kind
@@ -20,14 +20,6 @@ from .sockdiag import Bind
 from .units import entries
 
 DEFAULT_GRACE = 60.0
-
-
-class State(StrEnum):
-    LIVE = "live"
-    STALE = "stale"
-    UNKNOWN = "unknown"
-    YOUNG = "young"
-    FOREIGN = "foreign"
 
 
 class Reason(StrEnum):
@@ -278,7 +270,7 @@ _RAISED_REASON = {
 
 
 def settle(roots: Iterable[Candidate], decisions: dict[str, Decision]) -> None:
-    """Let each deployment's strongest evidence keep its segment and directories (DESIGN.md §3).
+    """Let each deployment's strongest evidence keep its segment and directories (docs/CLEANER.md §3).
 
     A deployment is one thing: while any socket of it is bound, or any entry
     is held, leased or named by a live process, its segment and directories are

@@ -1,19 +1,34 @@
 """Domain errors: every OS failure is translated at the boundary into one of these,
-carrying the path, pid or name an operator needs to act on it."""
+carrying the path, pid or name an operator needs to act on it, and its category.
+
+The category (enums.Category) says what kind of failure it is; kvctl maps
+categories to exit codes in one table (kvctl/exitcodes.py), so a new error
+class only has to say which kind it is, and no caller tests error classes.
+"""
 
 from __future__ import annotations
+
+from typing import ClassVar
+
+from .enums import Category
 
 
 class KvcachedError(Exception):
     """Base of every error the kvcached library raises on purpose."""
 
+    category: ClassVar[Category] = Category.FAILED
+
 
 class InvalidName(KvcachedError, ValueError):
     """An IPC name or path that the naming rules reject."""
 
+    category = Category.BAD_INPUT
+
 
 class NotASegment(KvcachedError):
     """A path that is not a kvcached limit segment (type, size or link count)."""
+
+    category = Category.REFUSED
 
     def __init__(self, path: str, why: str) -> None:
         super().__init__(f"{path}: not a kvcached segment ({why})")
@@ -23,6 +38,8 @@ class NotASegment(KvcachedError):
 
 class SegmentMissing(KvcachedError, FileNotFoundError):
     """The segment named does not exist."""
+
+    category = Category.NOT_FOUND
 
     def __init__(self, path: str) -> None:
         super().__init__(f"{path}: no such segment")
@@ -59,6 +76,8 @@ class SocketInUse(KvcachedError):
 
 class PathTooLong(KvcachedError, ValueError):
     """A Unix socket path over the kernel's 108-byte sun_path limit."""
+
+    category = Category.BAD_INPUT
 
 
 class IpcError(KvcachedError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 from collections import defaultdict
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -62,7 +63,7 @@ class ProcessInfo(NamedTuple):
         return any(k in text for k in _ENGINE_MARKERS)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Facts:
     """What one /proc pass saw; read-only once built."""
 
@@ -86,6 +87,10 @@ class Facts:
     # Indexes built on first use, so that deciding N candidates stays O(processes + N).
     _index: _Index | None = field(default=None, repr=False, compare=False)
     _blind: list[ProcessInfo] | None = field(default=None, repr=False, compare=False)
+    # The engine pass's reads (engines/evidence.py), made on first use; plain gc never asks for them.
+    _device_maps: dict[frozenset[int], dict[tuple[int, int], list[int]]] = field(
+        default_factory=dict, repr=False, compare=False)
+    _ns_pids: dict[int, tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def locks(self) -> dict[tuple[int, int], list[LockEntry]]:
@@ -145,6 +150,88 @@ class Facts:
         self.mapped_files = out
         self._blind = None  # new unreadable processes may be blind spots
         return out
+
+    def map_users(self, devices: Iterable[int]) -> dict[tuple[int, int], list[int]]:
+        """Every file on `devices` mapped by each process, by identity: one read of every /proc/<pid>/maps.
+
+        By device, not by path: a process may map a /dev/shm file through any
+        mount of that tmpfs. The same read fills `mapped()` when it has not
+        run yet, so a run that asks for both reads each maps file once.
+        """
+        key = frozenset(devices)
+        if key in self._device_maps:
+            return self._device_maps[key]
+        needles = [(dev, f" {os.major(dev):02x}:{os.minor(dev):02x} ".encode()) for dev in key]
+        plain: dict[tuple[int, int], list[int]] | None = {} if self.mapped_files is None else None
+        out: dict[tuple[int, int], list[int]] = {}
+        for pid in self.processes:
+            try:
+                raw = _read(f"{self.proc_root}/{pid}/maps")
+            except PermissionError:
+                self.unreadable_pids[pid] = self.unreadable_pids.get(pid, frozenset()) | {"maps"}
+                continue
+            except OSError:
+                continue  # exited since the pass
+            if plain is not None:
+                for ident in _shm_maps(raw):
+                    plain.setdefault(ident, []).append(pid)
+            for ident in _device_maps(raw, needles):
+                out.setdefault(ident, []).append(pid)
+        if plain is not None:
+            self.mapped_files = plain
+        self._device_maps[key] = out
+        self._blind = None
+        return out
+
+    def fd_users(self, names: Collection[str]) -> dict[tuple[int, int], list[int]]:
+        """Files named in `names` that processes hold open where the main pass did not look (not under /dev/shm/).
+
+        The main pass records only fds whose path has /dev/shm/ in it; a file of
+        the same tmpfs opened through another mount of it is found here by its
+        name, then identified through the fd itself.
+        """
+        out: dict[tuple[int, int], list[int]] = {}
+        if not names:
+            return out
+        for pid, p in self.processes.items():
+            if "fd" in p.unreadable:
+                continue  # a blind spot already
+            fd_dir = f"{self.proc_root}/{pid}/fd"
+            try:
+                fds = os.listdir(fd_dir)
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    target = os.readlink(f"{fd_dir}/{fd}")
+                except OSError:
+                    continue
+                if target[:1] != "/" or "/dev/shm/" in target:
+                    continue  # sockets, pipes, anon inodes; or seen by the main pass
+                if target.removesuffix(" (deleted)").rpartition("/")[2] not in names:
+                    continue
+                try:
+                    st = os.stat(f"{fd_dir}/{fd}")
+                except OSError:
+                    continue
+                out.setdefault((st.st_dev, st.st_ino), []).append(pid)
+        return out
+
+    def namespace_pids(self) -> dict[int, tuple[int, ...]]:
+        """Each process's PID in every PID namespace it is in, outermost first (NSpid), read on first use.
+
+        A PID in a file name is the one its creator saw, maybe inside a
+        container: from the host it is only found through NSpid.
+        """
+        if self._ns_pids is None:
+            out: dict[int, tuple[int, ...]] = {}
+            for pid in self.processes:
+                try:
+                    out[pid] = _status_nspids(_read(f"{self.proc_root}/{pid}/status"), pid)
+                except OSError:
+                    out[pid] = (pid,)
+            self._ns_pids = out
+        return self._ns_pids
 
     def serving_pids(self, ident: tuple[int, int]) -> tuple[int, ...]:
         """PIDs holding a listening socket bound to the file `ident`."""
@@ -229,6 +316,15 @@ def process_start_time(pid: int, proc_root: str = "/proc") -> float | None:
     return None if gone else start
 
 
+def is_kernel_thread(pid: int, proc_root: str = "/proc") -> bool:
+    """Whether `pid` is a kernel thread in this procfs (they live only in the initial PID namespace)."""
+    try:
+        raw = _read(f"{proc_root}/{pid}/stat")
+        return bool(int(raw[raw.rindex(b")") + 2:].split()[6]) & PF_KTHREAD)
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def _status_uid(raw: bytes) -> int:
     at = raw.find(b"\nUid:")  # never the first line (that is Name:)
     if at < 0:
@@ -254,18 +350,61 @@ def _env_ipc_name(raw: bytes) -> str | None:
 
 def _shm_maps(raw: bytes) -> set[tuple[int, int]]:
     out = set()
-    for line in raw.splitlines():
-        if b"/dev/shm/" not in line:
-            continue
-        parts = line.split(None, 5)
-        if len(parts) < 6:
-            continue
-        try:
-            maj, mnr = parts[3].split(b":")
-            out.add((os.makedev(int(maj, 16), int(mnr, 16)), int(parts[4])))
-        except ValueError:
-            continue
+    # One search for the marker, not a split of every line: a Python process's maps has thousands of
+    # lines and a handful under /dev/shm (bench/bench_engines.py: splitting cost ~30 ms over 240 processes).
+    at = raw.find(b"/dev/shm/")
+    while at >= 0:
+        start = raw.rfind(b"\n", 0, at) + 1
+        end = raw.find(b"\n", at)
+        if end < 0:
+            end = len(raw)
+        parts = raw[start:end].split(None, 5)
+        if len(parts) >= 6:
+            try:
+                maj, mnr = parts[3].split(b":")
+                out.add((os.makedev(int(maj, 16), int(mnr, 16)), int(parts[4])))
+            except ValueError:
+                pass
+        at = raw.find(b"/dev/shm/", end)
     return out
+
+
+def _device_maps(raw: bytes, needles: list[tuple[int, bytes]]) -> set[tuple[int, int]]:
+    """(st_dev, st_ino) of each mapping in `raw` on one of the devices, each with its " MM:mm " field text.
+
+    A line is "start-end perms offset MM:mm inode path": the device field
+    is found with one search per device (a maps file has thousands of lines,
+    few of them on a tmpfs), and a hit counts only as the line's fourth field.
+    """
+    out = set()
+    for dev, needle in needles:
+        at = raw.find(needle)
+        while at >= 0:
+            line_start = raw.rfind(b"\n", 0, at) + 1
+            begin = at + len(needle)
+            line_end = raw.find(b"\n", begin)
+            line_end = len(raw) if line_end < 0 else line_end
+            end = raw.find(b" ", begin, line_end)  # the inode ends at a space, or the line does (no path)
+            if raw.count(b" ", line_start, at) == 2:
+                try:
+                    ino = int(raw[begin:line_end if end < 0 else end])
+                except ValueError:
+                    ino = 0
+                if ino:
+                    out.add((dev, ino))
+            at = raw.find(needle, begin)
+    return out
+
+
+def _status_nspids(raw: bytes, pid: int) -> tuple[int, ...]:
+    at = raw.find(b"\nNSpid:")
+    if at < 0:
+        return (pid,)  # a kernel before 4.1: one namespace as far as we can tell
+    end = raw.find(b"\n", at + 7)
+    try:
+        return tuple(int(x) for x in raw[at + 7:end if end >= 0 else len(raw)].split())
+    except ValueError:
+        return (pid,)
 
 
 def _scan_fds(fd_dir: str, shm_files: set[tuple[int, int]], sockets: set[int]) -> None:
@@ -343,7 +482,7 @@ def _listeners_of(netns_path: str | None) -> dict[tuple[int, int], set[int]]:
 def listening_facts(proc_root: str = "/proc") -> Facts:
     """Only this network namespace's listening Unix sockets: what an engine owner needs to
     name who still serves its workers' nodes, without a full /proc pass."""
-    facts = Facts(proc_root, None, None)
+    facts = Facts(proc_root=proc_root, my_mnt_ns=None, my_net_ns=None)
     try:
         facts.listeners = _listeners_of(None)
     except OSError:
@@ -359,7 +498,7 @@ def gather_facts(proc_root: str = "/proc") -> Facts:
         except OSError:
             return None
 
-    facts = Facts(proc_root, my_ns("mnt"), my_ns("net"))
+    facts = Facts(proc_root=proc_root, my_mnt_ns=my_ns("mnt"), my_net_ns=my_ns("net"))
     facts.hidepid = hidepid(proc_root)
     try:
         btime = _boot_time(proc_root)

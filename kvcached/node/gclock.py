@@ -15,6 +15,7 @@ import stat
 from types import TracebackType
 
 from .. import settings
+from .enums import Category
 from .errors import KvcachedError
 from .layout import Layout
 from .lease import read_proc_locks
@@ -25,6 +26,8 @@ LOCK_NAME = "kvctl-gc.lock"
 
 class LockBusy(KvcachedError):
     """Another gc holds the node's lock."""
+
+    category = Category.BUSY
 
     def __init__(self, path: str, pids: tuple[int, ...]) -> None:
         who = f"PID {', '.join(map(str, pids))}" if pids else "another process"

@@ -1,4 +1,4 @@
-"""Every path of a kvcached node, from one root, in both directions (LAYOUT.md §1-3)."""
+"""Every path of a kvcached node, from one root, in both directions (docs/NODE.md §1-3)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class PathKind(str, Enum):
         return self.value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PathRef:
     """What a path means: which deployment, which kind, rank and stage."""
 
@@ -118,15 +118,15 @@ class Layout:
             return None
         name, hash_ok = parsed
         if len(parts) == 1:
-            return PathRef(PathKind.SOCKET_DIR, name, hash_ok)
+            return PathRef(kind=PathKind.SOCKET_DIR, deployment=name, hash_ok=hash_ok)
         stage = 0
         rest = parts[1:]
         if (k := naming.parse_stage_name(rest[0])) is not None:
             stage, rest = k, rest[1:]
             if not rest:
-                return PathRef(PathKind.STAGE_DIR, name, hash_ok, stage=stage)
+                return PathRef(kind=PathKind.STAGE_DIR, deployment=name, hash_ok=hash_ok, stage=stage)
         if len(rest) == 1 and (r := naming.parse_socket_name(rest[0])) is not None:
-            return PathRef(PathKind.SOCKET, name, hash_ok, rank=r, stage=stage)
+            return PathRef(kind=PathKind.SOCKET, deployment=name, hash_ok=hash_ok, rank=r, stage=stage)
         return None
 
 
@@ -135,7 +135,7 @@ def _classify_segment(filename: str) -> PathRef | None:
     # names are ours when something else ties them to kvcached (a socket dir, a
     # process's KVCACHED_IPC_NAME, an operator naming them). The scanner does that.
     if naming.DEFAULT_NAME_RE.match(filename):
-        return PathRef(PathKind.SEGMENT, filename)
+        return PathRef(kind=PathKind.SEGMENT, deployment=filename)
     return None
 
 

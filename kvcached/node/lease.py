@@ -1,4 +1,4 @@
-"""Leases (DESIGN.md §4): how our processes prove they are alive without a heartbeat.
+"""Leases (docs/CLEANER.md §4): how our processes prove they are alive without a heartbeat.
 
 - Segment lease: an open-file-description read lock on one byte far past the
   24 data bytes, held by the owning engine for its life. OFD locks belong to the
@@ -175,7 +175,7 @@ class DirLease(ForkSafe):
             self.fd = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LockEntry:
     kind: str  # FLOCK, OFDLCK, POSIX
     mode: str  # READ, WRITE
@@ -203,7 +203,7 @@ def read_proc_locks(proc_root: str = "/proc") -> dict[tuple[int, int], list[Lock
         try:
             maj, mnr, ino = parts[5].split(b":")
             key = (os.makedev(int(maj, 16), int(mnr, 16)), int(ino))
-            out[key].append(LockEntry(parts[1].decode(), parts[3].decode(), int(parts[4])))
+            out[key].append(LockEntry(kind=parts[1].decode(), mode=parts[3].decode(), pid=int(parts[4])))
         except ValueError:
             continue
     return dict(out)

@@ -12,11 +12,16 @@ import re
 import stat
 import tempfile
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from .cleanup import Action, Report
 from .decide import State
+from .enums import Engine
 from .errors import KvcachedError
 from .scan import Kind
+
+if TYPE_CHECKING:  # the engine pass is imported only by runs that ask for engine state
+    from .engines import EngineReport
 
 PREFIX = "kvctl_gc"
 _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -57,19 +62,30 @@ def previous_value(path: str, metric: str) -> float | None:
     return None
 
 
+Samples = Iterable[tuple[dict[str, str], float]]
+
+
+def _metric(lines: list[str], name: str, kind: str, help_: str, samples: Samples) -> None:
+    full = f"{PREFIX}_{name}"
+    lines.append(f"# HELP {full} {help_}")
+    lines.append(f"# TYPE {full} {kind}")
+    for labels, value in samples:
+        lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
+        text = _number(value)
+        lines.append(f"{full}{{{lab}}} {text}" if lab else f"{full} {text}")
+
+
 def render(report: Report, *, success: bool, orphans: int = 0, last_success: float | None = None,
-           started: float | None = None) -> str:
-    """The textfile body for one run; `started` (default: the report's) times the whole run."""
+           started: float | None = None, engines: EngineReport | None = None) -> str:
+    """The textfile body for one run; `started` (default: the report's) times the whole run.
+
+    With `engines` (a run that also judged the engines' leftovers), their
+    counts and bytes by engine and state follow (render_engines).
+    """
     lines: list[str] = []
 
-    def metric(name: str, kind: str, help_: str, samples: Iterable[tuple[dict[str, str], float]]) -> None:
-        full = f"{PREFIX}_{name}"
-        lines.append(f"# HELP {full} {help_}")
-        lines.append(f"# TYPE {full} {kind}")
-        for labels, value in samples:
-            lab = ",".join(f'{k}="{_label(v)}"' for k, v in labels.items())
-            text = _number(value)
-            lines.append(f"{full}{{{lab}}} {text}" if lab else f"{full} {text}")
+    def metric(name: str, kind: str, help_: str, samples: Samples) -> None:
+        _metric(lines, name, kind, help_, samples)
 
     kinds = [str(k) for k in Kind]
     metric("entries", "gauge", "Entries found by the last run, by kind and state.",
@@ -91,6 +107,35 @@ def render(report: Report, *, success: bool, orphans: int = 0, last_success: flo
     if last_success is not None:
         metric("last_success_timestamp_seconds", "gauge",
                "When a run last finished with no failures and no stale entries left.", [({}, round(last_success, 3))])
+    if engines is not None:
+        lines.append(render_engines(engines).rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+def render_engines(report: EngineReport) -> str:
+    """The engine leftovers' metrics: entries and bytes by engine and state, what was removed, what is left.
+
+    Written only by runs that judged them (gc --engines). A plain run writes
+    none of them, not zeros: zeros would tell an alert on
+    kvctl_gc_engine_stale_bytes that the node is clean when nobody looked
+    (alert on absent(kvctl_gc_engine_entries) where the engine pass must run).
+    """
+    lines: list[str] = []
+    pairs = [(g, s) for g in Engine for s in State]
+    _metric(lines, "engine_entries", "gauge", "Engine leftovers found by the last run, by engine and state.",
+            [({"engine": str(g), "state": str(s)}, report.count(engine=g, state=s)) for g, s in pairs])
+    _metric(lines, "engine_bytes", "gauge",
+            "Bytes the engine leftovers found by the last run hold (allocated blocks), by engine and state.",
+            [({"engine": str(g), "state": str(s)}, report.bytes(engine=g, state=s)) for g, s in pairs])
+    _metric(lines, "engine_removed", "gauge", "Engine leftovers removed by the last run, by engine.",
+            [({"engine": str(g)}, report.count(engine=g, action=Action.REMOVED)) for g in Engine])
+    _metric(lines, "engine_removed_bytes", "gauge", "Bytes freed by the last run's removals, by engine.",
+            [({"engine": str(g)}, report.bytes(engine=g, action=Action.REMOVED)) for g in Engine])
+    left = report.stale_remaining
+    _metric(lines, "engine_stale_entries", "gauge", "Stale engine leftovers left after the last run, by engine.",
+            [({"engine": str(g)}, sum(1 for e in left if e.engine is g)) for g in Engine])
+    _metric(lines, "engine_stale_bytes", "gauge", "Bytes the stale engine leftovers left after the last run hold.",
+            [({"engine": str(g)}, sum(e.bytes for e in left if e.engine is g)) for g in Engine])
     return "\n".join(lines) + "\n"
 
 
@@ -144,10 +189,11 @@ def write_textfile(path: str, body: str) -> None:
 
 
 def write_report(path: str, report: Report, *, success: bool, orphans: int = 0,
-                 started: float | None = None) -> None:
+                 started: float | None = None, engines: EngineReport | None = None) -> None:
     """Render and write one run's metrics, keeping the previous last-success time when this run failed."""
     last = previous_value(path, f"{PREFIX}_last_success_timestamp_seconds")
-    write_textfile(path, render(report, success=success, orphans=orphans, last_success=last, started=started))
+    write_textfile(path, render(report, success=success, orphans=orphans, last_success=last, started=started,
+                                engines=engines))
 
 
 _RUN_METRICS = {f"{PREFIX}_{m}": m for m in ("lock_busy", "duration_seconds", "last_run_timestamp_seconds")}

@@ -1,4 +1,4 @@
-"""The IPC name rules of LAYOUT.md §1, shared with upstream kvcached."""
+"""The IPC name rules of docs/NODE.md §1, shared with upstream kvcached."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ ENV_NAME = settings.IPC_NAME.name
 # upstream's code paths mention.
 DEFAULT_NAME_RE = re.compile(rf"^kvcached_({'|'.join(TAGS)})_([0-9]+)(?:_dp[0-9]+)?(?:_g[0-9]+|_[0-9]+)?\Z")
 # Every DP rank of one serve is its own engine with its own KV pool: it gets its
-# own name, `<serve name>_dp<rank>` (LAYOUT.md has no DP rule: upstream gives all
-# ranks one name and their workers collide on the same sockets).
+# own name, `<serve name>_dp<rank>` (docs/NODE.md §1). Upstream has no DP rule: it gives
+# all ranks one name, and their workers collide on the same sockets.
 DP_SUFFIX_RE = re.compile(r"^(.+)_dp([0-9]+)\Z")
 
 

@@ -16,16 +16,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .enums import StrEnum
+from .enums import KillOutcome as Outcome
 from .facts import START_SLACK, ProcessInfo, process_start_time
-
-
-class Outcome(StrEnum):
-    TERMINATED = "terminated"   # exited after SIGTERM
-    KILLED = "killed"           # needed SIGKILL
-    GONE = "gone"               # already exited
-    REPLACED = "replaced"       # the PID now names another process: left alone
-    FAILED = "failed"
 
 
 @dataclass(frozen=True)

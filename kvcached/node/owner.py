@@ -39,7 +39,7 @@ class OwnerResult:
     complete: bool = False
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Node:
     stage: int
     rank: int
@@ -163,7 +163,8 @@ class WorkerSocketCleanup:
                 finally:
                     os.close(dir_fd)
                 if stat.S_ISSOCK(st.st_mode):
-                    self._pending[path] = _Node(stage, rank, path, (st.st_dev, st.st_ino), handle)
+                    self._pending[path] = _Node(stage=stage, rank=rank, path=path, ident=(st.st_dev, st.st_ino),
+                                                handle=handle)
             self._captured = True
             return len(self._pending)
 

@@ -16,19 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from . import naming
-from .enums import StrEnum
+from .enums import Kind, StrEnum
 from .facts import Facts
 from .ident import file_handle
 from .layout import Layout
 from .lease import ofd_conflict
 from .segment import SEGMENT_SIZE, has_mark, peek_limit
 from .sockdiag import Bind, bound
-
-
-class Kind(StrEnum):
-    SEGMENT = "segment"
-    SOCKET = "socket"
-    DIRECTORY = "directory"
 
 
 class FileType(StrEnum):

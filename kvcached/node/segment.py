@@ -1,4 +1,4 @@
-"""The 24-byte limit segment of LAYOUT.md §2, with upstream's flock data locks."""
+"""The 24-byte limit segment of docs/NODE.md §2, with upstream's flock data locks."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ MARK_VALUE = b"segment/1"
 _FMT = "=qqq"  # total_size, used_size, prealloc_size; native byte order like upstream
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SegmentInfo:
     """The three numbers a segment carries, in bytes."""
 
@@ -96,6 +96,11 @@ def _flock(fd: int, path: str, kind: int, timeout: float | None) -> None:
             time.sleep(0.005)
 
 
+def _unpack(data: bytes) -> SegmentInfo:
+    total, used, prealloc = struct.unpack(_FMT, data)
+    return SegmentInfo(total=total, used=used, prealloc=prealloc)
+
+
 def read_segment(path: str, timeout: float | None = 2.0) -> SegmentInfo:
     """Read under LOCK_SH; never creates the file (unlike upstream's readers)."""
     fd = _open_checked(path, os.O_RDONLY)
@@ -106,7 +111,7 @@ def read_segment(path: str, timeout: float | None = 2.0) -> SegmentInfo:
         os.close(fd)
     if len(data) != SEGMENT_SIZE:
         raise NotASegment(path, "truncated while reading")
-    return SegmentInfo(*struct.unpack(_FMT, data))
+    return _unpack(data)
 
 
 def write_segment(path: str, *, total: int | None = None, used: int | None = None,
@@ -118,11 +123,11 @@ def write_segment(path: str, *, total: int | None = None, used: int | None = Non
     fd = _open_checked(path, os.O_RDWR)
     try:
         _flock(fd, path, fcntl.LOCK_EX, timeout)
-        old = SegmentInfo(*struct.unpack(_FMT, os.pread(fd, SEGMENT_SIZE, 0)))
+        old = _unpack(os.pread(fd, SEGMENT_SIZE, 0))
         new = SegmentInfo(
-            old.total if total is None else total,
-            old.used if used is None else used,
-            old.prealloc if prealloc is None else prealloc,
+            total=old.total if total is None else total,
+            used=old.used if used is None else used,
+            prealloc=old.prealloc if prealloc is None else prealloc,
         )
         os.pwrite(fd, struct.pack(_FMT, new.total, new.used, new.prealloc), 0)
     finally:
@@ -150,7 +155,7 @@ def create_segment(path: str, total: int, *, exist_ok: bool = False) -> SegmentI
             pass  # no user xattrs here (ENOTSUP) or not allowed: the segment is merely unmarked
     finally:
         os.close(fd)
-    return SegmentInfo(total, 0, 0)
+    return SegmentInfo(total=total, used=0, prealloc=0)
 
 
 def peek_limit(name: str, dir_fd: int, st: os.stat_result) -> int | None:

@@ -7,7 +7,7 @@ Two tools, both passive (a listener never sees either):
   the socket type: no socket bound to the inode gives ECONNREFUSED, a stream
   listener (ours or upstream's) gives EPROTOTYPE and no connection is made, so
   nothing reaches the listener's accept queue. A bare connect-and-close, by
-  contrast, kills upstream's listener thread (LAYOUT.md §3).
+  contrast, kills upstream's listener thread (docs/NODE.md §3).
 - `listening_sockets()`: sock_diag (NETLINK_SOCK_DIAG) dumps of the listening
   Unix sockets of a network namespace with `UNIX_DIAG_VFS`, the device and
   inode of the file each one is bound to. Matching those against a node's
@@ -22,13 +22,20 @@ from __future__ import annotations
 
 import errno
 import os
-import socket
 import struct
 import threading
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 from .enums import StrEnum
 from .layout import SUN_PATH_MAX
+
+if TYPE_CHECKING:
+    import socket
+
+# `socket` is imported by the functions that make one: every kvctl run imports this
+# module (decide and scan name Bind), and on an idle node none is made; the module
+# costs a cold `kvctl gc` a few percent (bench/bench_cli_start.py).
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -71,6 +78,8 @@ def bound(path: str, dir_fd: int | None = None) -> tuple[Bind, str | None]:
         except OSError as e:
             return Bind.ERROR, errno.errorcode.get(e.errno or 0, str(e.errno))
         target = f"/proc/self/fd/{own_fd}/{os.path.basename(path)}"
+    import socket
+
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     try:
         s.connect(target)
@@ -101,6 +110,8 @@ def _kernel_dev(dev: int) -> int:
 
 
 def _dump(sock: socket.socket) -> dict[tuple[int, int], set[int]]:
+    import socket
+
     req = _UNIX_DIAG_REQ.pack(socket.AF_UNIX, 0, 0, 1 << TCP_LISTEN, 0, UDIAG_SHOW_VFS, 0xFFFFFFFF, 0xFFFFFFFF)
     sock.send(_NLMSGHDR.pack(_NLMSGHDR.size + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0) + req)
     out: dict[tuple[int, int], set[int]] = defaultdict(set)
@@ -134,6 +145,8 @@ def _dump(sock: socket.socket) -> dict[tuple[int, int], set[int]]:
 
 
 def _diag_socket() -> socket.socket:
+    import socket
+
     return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
 
 

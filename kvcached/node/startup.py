@@ -1,4 +1,4 @@
-"""What an engine does with its own name at start-up (LAYOUT.md §1).
+"""What an engine does with its own name at start-up (docs/NODE.md §1).
 
 Upstream's uniqueness probe never runs, so a relaunch that reuses a PGID meets
 the dead predecessor's segment of the same name. We decide it with the shared

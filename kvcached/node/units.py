@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import math
 import re
-from decimal import Decimal, InvalidOperation
+from typing import TYPE_CHECKING
 
+from .enums import Category
 from .errors import KvcachedError
+
+if TYPE_CHECKING:
+    from decimal import Decimal
 
 
 class BadValue(KvcachedError, ValueError):
     """A size, duration or percentage that does not parse or is out of range."""
+
+    category = Category.BAD_INPUT
 
 
 # Binary multiples throughout, like upstream kvctl and `free -h`: `2G` and `2GiB` are both 2 * 2**30.
@@ -32,7 +38,10 @@ def _number(text: str, what: str, raw: str) -> Decimal:
     if "__" in text or text.startswith("_") or text.endswith("_") or "_." in text or "._" in text:
         raise BadValue(f"{what} {raw!r}: misplaced '_'")
     # Decimal, not float: a byte count of 18 digits must be stored as typed, and
-    # a float keeps only 15-17 of them.
+    # a float keeps only 15-17 of them. Imported here: every kvctl run imports this
+    # module (decide words its reasons with it), few parse a value (bench/bench_cli_start.py).
+    from decimal import Decimal, InvalidOperation
+
     try:
         return Decimal(text.replace("_", ""))
     except InvalidOperation:

@@ -14,7 +14,7 @@ from typing import Any
 
 from .cleanup import Action, Entry, Plan
 from .decide import State
-from .enums import StrEnum
+from .enums import Category, StrEnum
 from .errors import KvcachedError, SegmentBusy
 from .facts import START_SLACK, Facts, ProcessInfo
 from .layout import Layout
@@ -25,6 +25,8 @@ from .segment import SegmentInfo, read_segment
 
 class ProcessNotFound(KvcachedError):
     """`--pid` names no process."""
+
+    category = Category.NOT_FOUND
 
 
 class NamespaceUnreachable(KvcachedError):
@@ -61,7 +63,7 @@ _SGLANG_ENGINE_RE = re.compile(r"^sglang::scheduler")
 _HARNESS_MODULE = "kvcached.runtime.harness"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RoleInfo:
     role: Role
     title: str
@@ -91,19 +93,19 @@ def classify_process(p: ProcessInfo) -> RoleInfo:
         if role in ("api", "engine", "worker"):
             rank, stage = (_int(_flag(p.cmdline, "--rank")), _int(_flag(p.cmdline, "--stage"))) \
                 if role == "worker" else (None, None)
-            return RoleInfo(Role(role), f"harness {role}", rank, stage)
+            return RoleInfo(role=Role(role), title=f"harness {role}", rank=rank, stage=stage)
     for text in (argv0, p.comm):
         if m := _VLLM_WORKER_RE.match(text):
             rank = _int(m.group(1) or m.group(3))
-            return RoleInfo(Role.WORKER, text, rank, _int(m.group(2)))
+            return RoleInfo(role=Role.WORKER, title=text, rank=rank, stage=_int(m.group(2)))
         if _VLLM_ENGINE_RE.match(text) or _SGLANG_ENGINE_RE.match(text):
-            return RoleInfo(Role.ENGINE, text)
+            return RoleInfo(role=Role.ENGINE, title=text)
         if _VLLM_API_RE.match(text):
-            return RoleInfo(Role.API, text)
+            return RoleInfo(role=Role.API, title=text)
     joined = " ".join(p.cmdline[:4])
     if re.search(r"(^|/)vllm\s+serve\b|vllm\.entrypoints|sglang\.launch_server", joined):
-        return RoleInfo(Role.API, "vllm serve" if "vllm" in joined else "sglang server")
-    return RoleInfo(Role.OTHER, title or (os.path.basename(argv0) if argv0 else ""))
+        return RoleInfo(role=Role.API, title="vllm serve" if "vllm" in joined else "sglang server")
+    return RoleInfo(role=Role.OTHER, title=title or (os.path.basename(argv0) if argv0 else ""))
 
 
 @dataclass(frozen=True)
@@ -226,8 +228,8 @@ class NodeView:
         return [(d, p) for d, p in self.orphans if d.engine_gone and p.role.role is Role.WORKER]
 
     def to_dict(self) -> dict[str, Any]:
+        """The node as `kvctl inspect --json` shows it (kvctl/documents.py adds the schema name)."""
         return {
-            "schema": "kvctl.inspect/1",
             "root": self.layout.root,
             "deployments": [d.to_dict() for d in self.deployments],
             "serves": [{"name": name, "state": str(_summary_state([e for d in ranks for e in d.entries],

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pytest
 from typer.testing import CliRunner
 
-from kvctl.app import app
+from kvctl.cli import app
+
+from ..schemas import validate
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "kvctl" / "schemas"
@@ -34,14 +35,9 @@ class Run:
         return doc
 
 
-def validate(doc: Any, name: str) -> None:
-    """Check `doc` against kvctl/schemas/<name>.json (the documented contract)."""
-    jsonschema.validate(doc, json.loads((SCHEMAS / f"{name}.json").read_text()))
-
-
 def invoke(*args: str, input: str | None = None, env: dict[str, str] | None = None) -> Run:
     """kvctl in-process (typer's CliRunner): exit codes and output without a fork."""
-    r = CliRunner().invoke(app, list(args), input=input, env={"NO_COLOR": "1", **(env or {})})
+    r = CliRunner().invoke(app(), list(args), input=input, env={"NO_COLOR": "1", **(env or {})})
     if r.exception is not None and not isinstance(r.exception, SystemExit):
         raise r.exception
     return Run(r.exit_code, r.stdout, r.stderr)

@@ -153,7 +153,7 @@ def test_watch_and_top(layout, uniq: str, deployments) -> None:
     assert r.code == 0 and r.stdout.count(f"{uniq}w") == 2
     r = kvctl("--root", layout.root, "top", "--count", "1")
     assert r.code == 0 and f"{uniq}w" in r.stdout and "ORPHANS" in r.stdout
-    r = subprocess.run([KVCTL.replace("kvctl", "kvtop"), "--root", layout.root, "--count", "1"],
+    r = subprocess.run([os.path.join(os.path.dirname(KVCTL), "kvtop"), "--root", layout.root, "--count", "1"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and f"{uniq}w" in r.stdout
     assert_one_line_error(kvctl("--root", layout.root, "watch", "-n", "0"), 2)

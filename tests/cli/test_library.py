@@ -68,7 +68,7 @@ def test_roles(cmdline, comm, role, rank, stage) -> None:
 
 
 def test_metrics_text_and_atomic_write(tmp_path) -> None:
-    empty = Report(False, [], [], 1000.0, 1000.5)
+    empty = Report(dry_run=False, entries=[], errors=[], started=1000.0, finished=1000.5)
     text = render(empty, success=True)
     assert 'kvctl_gc_entries{kind="segment",state="stale"} 0' in text
     assert "kvctl_gc_last_success_timestamp_seconds 1000.5" in text
@@ -76,7 +76,8 @@ def test_metrics_text_and_atomic_write(tmp_path) -> None:
     path = str(tmp_path / "m.prom")
     write_textfile(path, text)
     assert previous_value(path, "kvctl_gc_last_success_timestamp_seconds") == 1000.5
-    failed = render(Report(False, [], [], 2000.0, 2000.0), success=False, last_success=1000.5)
+    failed = render(Report(dry_run=False, entries=[], errors=[], started=2000.0, finished=2000.0), success=False,
+                    last_success=1000.5)
     assert "kvctl_gc_last_run_timestamp_seconds 2000" in failed
     assert "kvctl_gc_last_success_timestamp_seconds 1000.5" in failed  # carried, not reset
     assert os.listdir(tmp_path) == ["m.prom"]

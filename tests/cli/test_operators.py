@@ -7,6 +7,7 @@ Terminal behaviour is tested on a real pseudo-terminal (pty) of a chosen size.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pty
 import re
@@ -24,6 +25,7 @@ import pytest
 from kvcached.node.segment import create_segment, write_segment
 
 from ..fs.helpers import backdate, stale_socket
+from ..waiting import wait_for_state
 from .conftest import KVCTL, REPO, kvctl
 from .test_commands import COMMANDS
 
@@ -50,7 +52,7 @@ def on_pty(args: list[str], *, cols: int = 80, rows: int = 40, keys: bytes = b""
                 chunk = b""
             out += chunk
         if not sent and key_after.encode() in out:
-            time.sleep(0.2)
+            wait_for_state(pid, "S")  # asleep, reading its terminal: what we type now is read
             os.write(fd, keys)
             sent = True
         done, st = os.waitpid(pid, os.WNOHANG)
@@ -309,16 +311,17 @@ def test_kvtop_completion() -> None:
 def _typer_range() -> tuple[str, str]:
     text = (REPO / "pyproject.toml").read_text()
     m = re.search(r'"typer>=([0-9.]+),<([0-9.]+)"', text)
-    assert m, "pyproject pins typer to the tested range"
+    assert m, "pyproject gives typer the tested range"
     return m.group(1), m.group(2)
 
 
-def test_the_lowest_typer_of_the_range_works(tmp_path) -> None:
-    """kvctl leans on typer internals (its coercion, completion and exception modules): the range in
-    pyproject is the one tested. `make test` installs its highest; this runs the CLI on its lowest."""
+def test_the_lowest_typer_of_the_range_works(tmp_path, layout, uniq) -> None:
+    """The typer range in pyproject is the one tested: `make test` installs its highest, this runs kvctl on
+    its lowest, installed with what pip resolves for it (click, before typer carried its own) into a target
+    directory that comes first on the path."""
     low, _ = _typer_range()
     target = tmp_path / "typer"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--disable-pip-version-check",
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
                         "--target", str(target), f"typer=={low}.0" if low.count(".") == 1 else f"typer=={low}"],
                        capture_output=True, text=True, timeout=300)
     if r.returncode != 0 and ("Could not find" in r.stderr or "No matching distribution" in r.stderr
@@ -326,18 +329,26 @@ def test_the_lowest_typer_of_the_range_works(tmp_path) -> None:
         pytest.skip(f"typer {low} cannot be downloaded here: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr
     env = {"PYTHONPATH": str(target)}
-    version = subprocess.run([sys.executable, "-c", "import typer; print(typer.__version__)"], capture_output=True,
-                             text=True, env={**os.environ, **env}).stdout.strip()
-    assert version.startswith(low), version
-    root = tmp_path / "n"
-    for sub in ("tmp", "dev/shm"):
-        (root / sub).mkdir(parents=True)
-    assert kvctl("--help", env=env).code == 0
-    assert kvctl("--root", str(root), "gc", "--dry-run", "--json", env=env).json("gc")["exit_code"] == 0
-    r = kvctl("--root", str(root), "limit", "x", "-1G", env=env)
+    probe = ("import json, typer, kvctl.cli, kvctl.typer_adapter as a; kvctl.cli.group()\n"
+             "print(json.dumps([typer.__version__, typer.__file__, a.RuntimeParam is None]))")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env={**os.environ, **env})
+    version, where, unadapted = json.loads(r.stdout)
+    assert version.startswith(low) and where.startswith(str(target)), (version, where, r.stderr)
+    assert unadapted  # the lowest has no pydantic coercion layer: the adapter installs nothing there
+    name = f"{uniq}low"
+    dead(layout, name)
+    root = layout.root
+    assert kvctl("--help", env=env).code == 0 and "Exit codes:" in kvctl("gc", "--help", env=env).stdout
+    assert kvctl("--root", root, "gc", "--dry-run", "--json", env=env).json("gc")["exit_code"] == 3
+    r = kvctl("--root", root, "limit", "x", "-1G", env=env)
     assert r.code == 2 and "must not be negative" in r.stderr and "Traceback" not in r.stderr
-    r = kvctl("--root", str(root), "list", "nope", "--json", env=env)
+    r = kvctl("--root", root, "gc", "--kind", "bogus", env=env)
+    assert r.code == 2 and "'bogus' is not one of" in r.stderr and "Traceback" not in r.stderr
+    r = kvctl("--root", root, "list", "nope", "--json", env=env)
     assert r.code == 6 and r.json("error")["error"]["name"] == "not_found"
+    assert kvctl("inspect", name, "--min-age", "0", "--json", "--root", root, env=env).json("inspect")["deployments"]
+    r = kvctl("--root", root, "gc", "--yes", "--min-age", "0", "-v", env={**env, **lock_env(layout)})
+    assert r.code == 0 and "removed 3" in r.stdout and not os.listdir(layout.shm_dir), r.stdout + r.stderr
     comp = {**os.environ, **env, "_KVCTL_COMPLETE": "complete_bash", "COMP_WORDS": "kvctl gc --dry", "COMP_CWORD": "2"}
     assert subprocess.run([KVCTL], capture_output=True, text=True, env=comp).stdout.split() == ["--dry-run"]
 

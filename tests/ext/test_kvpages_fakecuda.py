@@ -84,8 +84,15 @@ _PRELUDE = """
                                      "push_depth", "violations")}
     def fail(fn, rc, after=0, times=1):
         fake.fake_cuda_fail(fn.encode(), after, times, rc)
-    def delay(fn, ms):
-        fake.fake_cuda_delay(fn.encode(), ms)
+    def hold(fn):
+        # The next call of `fn` stops inside the driver until release(fn); a hold nobody
+        # releases ends after 20 s and counts in stat("hold_timeouts").
+        fake.fake_cuda_hold(fn.encode(), 20000)
+    def wait_held(fn):
+        # Returns once a thread is held inside `fn` (waiting in C, without the GIL).
+        assert fake.fake_cuda_wait_held(fn.encode(), 30000) == 1, f"no thread entered {fn} within 30 s"
+    def release(fn):
+        fake.fake_cuda_release(fn.encode())
     def err(fn):
         try:
             fn()
@@ -102,17 +109,6 @@ _PRELUDE = """
         assert fake.cuDeviceGet(ctypes.byref(dev), ordinal) == 0
         assert fake.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
         assert fake.cuCtxPushCurrent_v2(ctx) == 0
-    def max_stall(work):
-        # The longest time this thread could not run while `work` ran in another.
-        t = threading.Thread(target=work)
-        last, worst = time.monotonic(), 0.0
-        t.start()
-        while t.is_alive():
-            time.sleep(0.005)
-            now = time.monotonic()
-            worst, last = max(worst, now - last), now
-        t.join()
-        return worst
     out = {}
 """
 
@@ -551,24 +547,32 @@ def test_close_message_names_the_leak(fake_lib_dir):
 
 
 def test_teardown_never_holds_the_gil_through_driver_calls(fake_lib_dir):
-    # close() while another thread is inside unmap: the teardown waits for it
-    # and runs without the GIL, here or in that thread, so Python keeps running.
+    # close() while another thread is inside unmap: the teardown waits for that thread
+    # and gives the GIL up meanwhile, so Python keeps running. Once the unmap is held in
+    # the driver, threads switch only where one gives the GIL up (a huge switch interval):
+    # this thread runs again only when close() waits without it. A close() that waited
+    # holding the GIL would keep this thread from releasing the hold until it timed out.
     out = _run(fake_lib_dir, _PRELUDE + f"""
     r = k.PageRange(3, {PS}, device="cuda")
     r.map([0, 1, 2])
-    delay("cuMemUnmap", 600)
-    def unmap_then_close():
-        t = threading.Thread(target=lambda: out.update(unmap=err(lambda: r.unmap(0))))
-        t.start()
-        time.sleep(0.1)            # inside the driver, holding the range's lock
-        out["close"] = err(r.close)
-        t.join()
-    out["stall"] = max_stall(unmap_then_close)
+    hold("cuMemUnmap")
+    t = threading.Thread(target=lambda: out.update(unmap=err(lambda: r.unmap(0))))
+    t.start()
+    wait_held("cuMemUnmap")        # inside the driver, holding the range's lock
+    sys.setswitchinterval(100)
+    c = threading.Thread(target=lambda: out.update(close=err(r.close)))
+    c.start()                      # returns once c gives the GIL up: inside close()
+    out["ran_while_close_waited"] = r.closed and "close" not in out
+    release("cuMemUnmap")
+    t.join()
+    c.join()
+    out["hold_timeouts"] = stat("hold_timeouts")
     out["after"] = counters()
     print(json.dumps(out))
     """)
     assert out["unmap"] is None and out["close"] is None
-    assert out["stall"] < 0.5, out["stall"]   # holding the GIL would stall it a second or more
+    assert out["ran_while_close_waited"] is True, out
+    assert out["hold_timeouts"] == 0, "close() kept the GIL while it waited for the unmap"
     assert out["after"] == CLEAN
 
 
@@ -576,24 +580,32 @@ def test_teardown_never_holds_the_gil_through_driver_calls(fake_lib_dir):
 
 
 def test_getters_do_not_stall_python_while_a_map_is_in_the_driver(fake_lib_dir):
+    # As above: num_mapped and repr read at once, without the range's lock; is_mapped and
+    # mapped_pages wait for the unmap in the driver, without the GIL.
     out = _run(fake_lib_dir, _PRELUDE + f"""
     r = k.PageRange(2, {PS}, device="cuda")
     r.map(0)
-    delay("cuMemUnmap", 1000)
-    def query():
-        t = threading.Thread(target=lambda: r.unmap(0))
-        t.start()
-        time.sleep(0.1)            # inside the driver, holding the range's lock
-        out["seen"] = [r.num_mapped, repr(r), r.is_mapped(1), r.mapped_pages()]
-        t.join()
-    out["stall"] = max_stall(query)
+    hold("cuMemUnmap")
+    t = threading.Thread(target=lambda: r.unmap(0))
+    t.start()
+    wait_held("cuMemUnmap")        # inside the driver, holding the range's lock
+    out["at_once"] = [r.num_mapped, repr(r)]
+    sys.setswitchinterval(100)
+    q = threading.Thread(target=lambda: out.update(waited=[r.is_mapped(0), r.mapped_pages()]))
+    q.start()                      # returns once q gives the GIL up: waiting for the lock
+    out["ran_while_getter_waited"] = q.is_alive() and "waited" not in out
+    release("cuMemUnmap")
+    q.join()
+    t.join()
+    out["hold_timeouts"] = stat("hold_timeouts")
     r.close()
     print(json.dumps(out))
     """)
-    num_mapped, rep, is_mapped, pages = out["seen"]
-    assert num_mapped == 1 and "mapped=1" in rep   # read at once, before the unmap ended
-    assert is_mapped is False and pages == []      # waited for the unmap, without the GIL
-    assert out["stall"] < 0.5, out["stall"]   # holding the GIL would stall it a second or more
+    num_mapped, rep = out["at_once"]
+    assert num_mapped == 1 and "mapped=1" in rep, out   # read at once, while the unmap is in the driver
+    assert out["waited"] == [False, []], out           # waited for the unmap to end
+    assert out["ran_while_getter_waited"] is True, out
+    assert out["hold_timeouts"] == 0, "a getter kept the GIL while it waited for the range's lock"
 
 
 def test_strict_fake_rejects_what_the_driver_rejects(fake_lib_dir):

@@ -10,6 +10,10 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
+
+from kvcached.node.layout import Layout
+from kvcached.node.segment import create_segment
 
 
 def stale_socket(path: str) -> tuple[int, int]:
@@ -40,7 +44,7 @@ def backdate(path: str, seconds: float = 3600) -> None:
 # Upstream's serial listener: one thread per rank, 4-byte big-endian framed requests. Its
 # error path replies to the peer inside the exception handler; a peer that connected and
 # closed without a request makes that reply raise EPIPE there, nothing catches it, and
-# the thread dies (LAYOUT.md §3). The node stays; later clients queue up unanswered.
+# the thread dies (docs/NODE.md §3). The node stays; later clients queue up unanswered.
 UPSTREAM_LISTENER = textwrap.dedent(r"""
     import json, struct
 
@@ -73,7 +77,7 @@ UPSTREAM_LISTENER = textwrap.dedent(r"""
 """)
 
 UPSTREAM_RUNTIME = UPSTREAM_LISTENER + textwrap.dedent(r"""
-    # A stand-in for upstream kvcached's runtime, as strict as the real one (STYLE.md §12):
+    # A stand-in for upstream kvcached's runtime, as strict as the real one (docs/CONTRIBUTING.md §12):
     #
     # - The IPC name is set through os.environ in Python, as an offline-inference
     #   launcher does: it never shows in /proc/<pid>/environ.
@@ -278,3 +282,21 @@ def stop_one_kill_rest(dep, stage: int = 0, rank: int = 1) -> int:
             dep.signal(pid, signal.SIGKILL)
     dep.wait(timeout=2)
     return stopped
+
+
+def dead_deployment(layout: Layout, name: str, tp: int = 2) -> list[str]:
+    """What a SIGKILLed serve leaves: its segment, its socket directory and nodes nobody serves, all old."""
+    create_segment(layout.segment_path(name), 1 << 30)
+    for rank in range(tp):
+        stale_socket(layout.socket_path(name, rank))
+    os.chmod(layout.socket_dir(name), 0o700)
+    paths = [layout.socket_path(name, r) for r in range(tp)] + [layout.socket_dir(name), layout.segment_path(name)]
+    for p in paths:
+        backdate(p)
+    return paths
+
+
+def state_of(d: Any) -> list[str]:
+    """Every path of a running harness deployment (a Deployment): segment, socket directory, each rank's node."""
+    lay = d.layout
+    return [lay.segment_path(d.name), lay.socket_dir(d.name)] + [p for _, _, p in lay.socket_paths(d.name, d.tp, d.pp)]

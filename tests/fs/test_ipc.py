@@ -9,7 +9,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -18,6 +17,7 @@ from kvcached.runtime.ipc.client import Client, ping
 from kvcached.runtime.ipc.listener import WorkerListener
 from kvcached.runtime.ipc.protocol import MAX_BODY, VERSION
 
+from ..waiting import wait_for
 from .helpers import run_as, stale_socket
 
 
@@ -80,21 +80,39 @@ def test_survives_bare_connects_half_oversized_and_garbage_frames(listener) -> N
     assert ping(listener.path)["rank"] == 1
 
 
-def test_many_slow_peers_do_not_stall_it(listener) -> None:
-    hogs = [raw(listener.path) for _ in range(40)]
-    time.sleep(0.1)
+def test_sixteen_slow_peers_are_served_and_the_rest_shed_at_once(layout, uniq) -> None:
+    # A timeout far beyond the test keeps every slow peer in its slot: nothing frees one but us.
+    w = WorkerListener(layout, uniq, 1, 2, timeout=120).start()
+    hogs = [raw(w.path) for _ in range(16)]
+    extra = [raw(w.path) for _ in range(8)]
     try:
-        deadline = time.monotonic() + 15
-        while True:
+        # The listener accepts in connection order: the 16 hogs took every slot, so each
+        # later peer is closed at once (shed), never queued behind them.
+        for s in extra:
+            s.settimeout(30)
             try:
-                assert ping(listener.path, timeout=1)["rank"] == 1
-                break
-            except IpcError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-    finally:
+                assert s.recv(16) == b"", "a peer past the cap was answered instead of shed"
+            except TimeoutError:
+                raise AssertionError("a peer past the cap was neither shed nor answered in 30 s: queued") from None
         for h in hogs:
-            h.close()
+            h.setblocking(False)
+            with pytest.raises(BlockingIOError):  # open and waiting for our request: served, not shed
+                h.recv(16)
+        with pytest.raises(IpcError, match="Broken pipe|Connection reset|closed after 0 of"):  # shed too
+            ping(w.path, timeout=30)
+        hogs.pop().close()  # one slot frees as its handler sees the close
+        wait_for(lambda: _answers(w.path), timeout=30, explain=lambda: "no slot freed after a peer left")
+    finally:
+        for x in hogs + extra:
+            x.close()
+        w.stop()
+
+
+def _answers(path: str) -> bool:
+    try:
+        return ping(path, timeout=30)["rank"] == 1
+    except IpcError:
+        return False  # shed: its slot is not free yet
 
 
 def test_refuses_a_live_conflict_naming_its_pid(layout, uniq) -> None:

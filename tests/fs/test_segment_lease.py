@@ -17,10 +17,10 @@ from kvcached.node.segment import SEGMENT_SIZE, SegmentInfo, create_segment, rea
 
 def test_create_read_write_roundtrip(layout) -> None:
     p = layout.segment_path("seg1")
-    assert create_segment(p, 1 << 30) == SegmentInfo(1 << 30, 0, 0)
+    assert create_segment(p, 1 << 30) == SegmentInfo(total=1 << 30, used=0, prealloc=0)
     assert os.stat(p).st_size == SEGMENT_SIZE
-    assert write_segment(p, used=4096, prealloc=8192) == SegmentInfo(1 << 30, 4096, 8192)
-    assert read_segment(p) == SegmentInfo(1 << 30, 4096, 8192)
+    assert write_segment(p, used=4096, prealloc=8192) == SegmentInfo(total=1 << 30, used=4096, prealloc=8192)
+    assert read_segment(p) == SegmentInfo(total=1 << 30, used=4096, prealloc=8192)
     with open(p, "rb") as f:  # the native 3×int64 layout upstream readers expect
         assert int.from_bytes(f.read(8), sys.byteorder, signed=True) == 1 << 30
     with pytest.raises(FileExistsError):

@@ -33,6 +33,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker import utils as worker_utils
 
+from .. import conftest
+
 ARCH = "KvcachedStandInForCausalLM"
 PAGE = 64 * 1024  # KVCACHED_PAGE_SIZE in the `elastic` fixture: a few blocks make a page
 BLOCK_SIZE = 16
@@ -55,7 +57,7 @@ class KvcachedStandInForCausalLM(nn.Module):
 ModelRegistry.register_model(ARCH, KvcachedStandInForCausalLM)
 
 #: Run a test with the elastic-kv patch on and off (the `elastic` fixture of conftest.py).
-both = pytest.mark.parametrize("elastic", [True, False], ids=["patched", "unpatched"], indirect=True)
+both = conftest.both("elastic")
 
 
 def check_or_fail(on: bool, check: Callable[[], None]) -> None:

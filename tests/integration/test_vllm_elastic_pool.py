@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections import deque
-from pathlib import Path
 
 import pytest
 
@@ -35,13 +33,13 @@ from kvcached.node.startup import claim_segment  # noqa: E402
 from kvcached.runtime import kvbuffer  # noqa: E402
 from kvcached.runtime.pool import MapError  # noqa: E402
 
+from ..conftest import KVCTL  # noqa: E402
 from . import elastic_support as es  # noqa: E402
 
 PAGE = es.PAGE
 BPP = 8                     # blocks per page
 PB = 2 * PAGE               # bytes per page per rank (2 layers)
 NUM_BLOCKS = 256            # 32 pages; vLLM's full allocation: 4 MiB
-KVCTL = str(Path(sys.executable).with_name("kvctl"))  # the installed command, as an operator runs it
 
 
 class Serve:

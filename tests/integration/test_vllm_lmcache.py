@@ -25,7 +25,9 @@ from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown, kv_transfe
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1  # noqa: E402
 
-both = pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"], indirect=True)
+from .. import conftest  # noqa: E402
+
+both = conftest.both()
 
 
 class RecordingAdapter:

@@ -30,7 +30,9 @@ from kvcached.integration import state  # noqa: E402
 from kvcached.integration.vllm.worker_listener import LISTENER_ATTR  # noqa: E402
 from kvcached.runtime.ipc.client import Client  # noqa: E402
 
-both = pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"], indirect=True)
+from .. import conftest  # noqa: E402
+
+both = conftest.both()
 
 
 class FakeQueue:

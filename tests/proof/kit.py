@@ -9,7 +9,8 @@ import time
 
 from kvcached.node.layout import Layout
 
-KVCTL = os.path.join(os.path.dirname(sys.executable), "kvctl")
+from ..conftest import KVCTL
+
 PID = os.getpid()
 
 

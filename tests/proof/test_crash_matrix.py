@@ -30,7 +30,9 @@ from kvcached.node.lease import segment_lease_held
 from kvcached.runtime.harness import Deployment
 from kvcached.runtime.ipc.client import ping
 
-from .kit import KVCTL, uniq
+from ..conftest import KVCTL
+from ..waiting import proc_state, wait_for_state
+from .kit import uniq
 
 DEFAULT_SHAPES = [(1, 1), (2, 2)]
 SLOW_SHAPES = [(2, 1), (4, 2)]
@@ -41,11 +43,7 @@ OWNER_WAIT = 8.0  # the owner retries its cleanup for up to 5 s while workers st
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except OSError:
-        return False
+    return proc_state(pid) not in (None, "Z", "X")
 
 
 def _wait_dead(pids: list[int], timeout: float) -> bool:
@@ -134,7 +132,7 @@ def _die(d: Deployment, how: str) -> None:
     elif how == "stopped_worker_then_term":
         victim = d.worker_pids[max(d.worker_pids)]
         d.signal(victim, signal.SIGSTOP)
-        time.sleep(0.05)
+        wait_for_state(victim, "T")  # really stopped before the group's SIGTERM reaches it
         d.signal_group(signal.SIGTERM)
     elif how == "double_sigterm":
         d.signal_group(signal.SIGTERM)

@@ -15,14 +15,16 @@ owner differs from their directory's. Then `kvctl gc --yes`, `gc --dry-run`,
   matches kvctl/schemas;
 * exit codes are from the documented enum and no traceback is printed.
 
-Every (plant, root, user, command) combination is one counted case; the count
-is printed. Needs root (useradd, runuser, chown); skipped otherwise.
+Every (plant, root, user, command) combination is one counted case; the counts
+are printed and must be the ones README's "Hostile node" states. Needs root
+(useradd, runuser, chown); skipped otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -34,7 +36,9 @@ import pytest
 
 from kvcached.node import naming
 
-from .kit import KVCTL, PID
+from ..conftest import KVCTL, REPO
+from ..schemas import validate
+from .kit import PID
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("runuser"),
@@ -43,8 +47,6 @@ pytestmark = pytest.mark.skipif(
 EXIT_CODES = {0, 1, 2, 3, 4, 5, 6, 7, 8, 130}
 SITE = os.path.join(os.path.dirname(os.path.dirname(KVCTL)), "lib",
                     f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCHEMAS = os.path.join(REPO, "kvctl", "schemas")
 PREFIX = f"kvh{PID}"
 CASES_RUN: list[str] = []
 # Text that follows a planted newline: if an output line starts with it, a name was printed raw
@@ -273,7 +275,7 @@ def _kvctl_cmd(user: str | None, root: str | None, args: list[str]) -> list[str]
         "NO_COLOR=1",
         f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}",
         "-c",
-        "import sys; sys.argv[0] = 'kvctl'; from kvctl.app import main; sys.exit(main())",
+        "import sys; sys.argv[0] = 'kvctl'; from kvctl.cli import main; sys.exit(main())",
         *glob,
         *args,
     ]
@@ -310,22 +312,11 @@ def _run(user: str | None, root: str | None, args: list[str], case: str) -> subp
 
 
 def _validate(doc: dict) -> None:
-    try:
-        import jsonschema
-    except ImportError:  # pragma: no cover - jsonschema is in the test extra
-        return
     schema = "list" if isinstance(doc, list) else str(doc.get("schema", ""))
-    fname = {
-        "kvctl.gc/1": "gc.json",
-        "kvctl.delete/1": "gc.json",
-        "kvctl.inspect/1": "inspect.json",
-        "kvctl.limit/1": "limit.json",
-        "kvctl.error/1": "error.json",
-        "list": "list.json",
-    }.get(schema)
-    if fname and os.path.exists(os.path.join(SCHEMAS, fname)):
-        with open(os.path.join(SCHEMAS, fname)) as f:
-            jsonschema.validate(doc, json.load(f))
+    name = {"kvctl.gc/1": "gc", "kvctl.delete/1": "gc", "kvctl.inspect/1": "inspect", "kvctl.limit/1": "limit",
+            "kvctl.error/1": "error", "list": "list"}.get(schema)
+    if name:
+        validate(doc, name)
 
 
 def _check_node(node: Node, secrets: dict[str, tuple[bytes, float]]) -> None:
@@ -431,14 +422,31 @@ def test_hostile_node_real_tmp_and_shm(tmp_path, user) -> None:  # type: ignore[
         shutil.rmtree(sec, ignore_errors=True)
 
 
-def test_zz_hostile_case_count() -> None:
-    """Print the number of (plant, user, root, command) cases run in this session."""
-    if not CASES_RUN:
-        pytest.skip("the hostile tests did not run")
+HOSTILE_TESTS = ("test_hostile_node_under_root", "test_hostile_node_real_tmp_and_shm")
+_CLAIM = re.compile(r"(\d+) trap kinds planted (\d+) times \((\d+) entries that must survive\); (\d+) `kvctl` "
+                    r"invocations \(([^)]*)\) as root and as that user")
+
+
+def _readme_claim() -> tuple[tuple[int, int, int, int], list[str]]:
+    """README's "Hostile node" numbers (kinds, plantings, survivors, invocations) and the commands it names."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    m = _CLAIM.search(text)
+    assert m, "README's Hostile node section no longer states its counts in the form this test reads"
+    commands = [c.strip("` ") for c in m.group(5).split(",") if c.strip().startswith("`")]
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4))), commands
+
+
+def test_zz_hostile_case_count(request: pytest.FixtureRequest) -> None:
+    """What README says the hostile suite does is what this session did: its counts, each command, each user."""
+    selected = {item.name for item in request.session.items}
+    if not set(HOSTILE_TESTS) <= selected:
+        pytest.skip("both hostile tests must run in this session for their counts to mean anything")
     traps = sorted({t for _, t, _ in PLANTED})
+    survivors = sum(k for _, _, k in PLANTED)
     print(
         f"\nhostile traps: {len(traps)} kinds, planted {len(PLANTED)} times "
-        f"({sum(k for _, _, k in PLANTED)} entries that must survive) in {len({n for n, _, _ in PLANTED})} roots"
+        f"({survivors} entries that must survive) in {len({n for n, _, _ in PLANTED})} roots"
     )
     print(f"hostile cases (trap set x user x root x kvctl command, each followed by a full check): {len(CASES_RUN)}")
     print("  traps: " + ", ".join(traps))
@@ -447,3 +455,19 @@ def test_zz_hostile_case_count() -> None:
     by = Counter((c.split(" | ")[3].split()[0], c.split(" | ")[1] == "root", c.split(" | ")[-1]) for c in CASES_RUN)
     for (cmd, as_root, code), k in sorted(by.items()):
         print(f"  {cmd:8} as {'root' if as_root else 'user'}: {code} x{k}")
+
+    counts, commands = _readme_claim()
+    assert (len(traps), len(PLANTED), survivors, len(CASES_RUN)) == counts, (
+        "README's Hostile node counts (kinds, plantings, entries that must survive, invocations) "
+        f"are {counts}; this run: {(len(traps), len(PLANTED), survivors, len(CASES_RUN))}")
+    # Every trap kind on both nodes, every command README names as root and as the user on both.
+    assert {(n, t) for n, t, _ in PLANTED} == {(n, t) for n in ("--root", "real") for t in traps}
+    ran = {(c.split(" | ")[1] == "root", c.split(" | ")[2], c.split(" | ")[3]) for c in CASES_RUN}
+    for cmd in commands:
+        if cmd == "--json":
+            continue  # "with and without `--json`": checked below
+        for as_root in (True, False):
+            for node in ("--root", "real"):
+                assert any(r == as_root and n == node and (a + " ").startswith(cmd + " ") for r, n, a in ran), (
+                    f"kvctl {cmd} did not run as {'root' if as_root else 'the user'} on the {node} node")
+    assert {"--json" in a.split() for _, _, a in ran} == {True, False}, "with and without --json"

@@ -23,9 +23,10 @@ import pytest
 from kvcached.node import naming
 from kvcached.node.layout import Layout
 
+from ..conftest import KVCTL
 from ..fs.helpers import UpstreamRuntime, backdate, kill_listener_like_a_bare_probe
 from ..waiting import wait_for
-from .kit import KVCTL, make_root, uniq
+from .kit import make_root, uniq
 
 READ_ONLY = (["inspect"], ["inspect", "--json"], ["list"], ["list", "--json"], ["gc", "--dry-run"],
              ["gc", "--dry-run", "--min-age", "0", "--json"], ["doctor", "stale"], ["top", "--count", "1"])

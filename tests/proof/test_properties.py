@@ -65,7 +65,9 @@ from kvcached.node.layout import Layout
 from kvcached.node.lease import SegmentLease
 from kvcached.node.segment import create_segment
 
-from .kit import KVCTL, Helper, make_root
+from ..conftest import KVCTL
+from ..waiting import wait_for_state
+from .kit import Helper, make_root
 
 SOAK = os.environ.get("KVCACHED_SOAK") == "1"
 EXAMPLES = int(os.environ.get("KVCACHED_SOAK_EXAMPLES", "10000")) if SOAK else int(
@@ -355,14 +357,7 @@ class Builder:
                 os._exit(0)
         w.child = pid
         os.kill(pid, signal.SIGSTOP)
-        while True:  # wait until it is really stopped
-            try:
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    if f.read().rsplit(b")", 1)[1].split()[0] == b"T":
-                        break
-            except OSError:
-                break
-            time.sleep(0.001)
+        wait_for_state(pid, "T")  # really stopped before our copies of its fds close
         for fd in w.stopped_fds:
             os.close(fd)
         w.stopped_fds = []

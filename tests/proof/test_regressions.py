@@ -138,7 +138,7 @@ def test_explicit_named_segment_left_without_its_socket_dir_is_found(node: Layou
 
 
 def test_worker_exits_on_a_second_sigterm_during_teardown(node: Layout) -> None:
-    """vLLM delivers SIGTERM twice in teardown (LAYOUT.md §4); a worker must still exit.
+    """vLLM delivers SIGTERM twice in teardown (docs/NODE.md §4); a worker must still exit.
 
     The harness worker's SIGTERM handler calls WorkerListener.stop(), which holds
     the listener's non-reentrant threading.Lock while it joins the serving

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.ext
 
 MiB = 1 << 20
 PAGE_BYTES = 4 * MiB        # start_engine_pool's defaults: 2 MiB pages, K and V
-KVCTL = "import sys; from kvctl.app import main; sys.argv[0] = 'kvctl'; sys.exit(main())"
+KVCTL = "import sys; from kvctl.cli import main; sys.argv[0] = 'kvctl'; sys.exit(main())"
 
 
 @pytest.fixture

@@ -131,6 +131,6 @@ def test_integration_modules_import_no_engine(module: str) -> None:
 
 def test_the_engine_side_modules_are_the_documented_ones() -> None:
     """docs/VLLM.md names them on one line: `Engine-side modules (they import vLLM when imported): ...`."""
-    line = next(ln for ln in (REPO / "docs" / "VLLM.md").read_text().splitlines()
+    line = next(ln for ln in (REPO / "docs/VLLM.md").read_text().splitlines()
                 if ln.startswith("Engine-side modules"))
     assert set(re.findall(r"`(kvcached\.[\w.]+)`", line)) == ENGINE_SIDE

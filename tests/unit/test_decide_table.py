@@ -1,4 +1,4 @@
-"""`decide` as a table: every state and reason, no filesystem (STYLE.md §2)."""
+"""`decide` as a table: every state and reason, no filesystem (docs/CONTRIBUTING.md §2)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def proc(pid: int, start: float = OLD - 100, **kw: object) -> ProcessInfo:
 
 
 def facts(*procs: ProcessInfo, **kw: object) -> Facts:
-    f = Facts("/proc", "mnt:[1]", "net:[1]", mapped_files={}, lock_table={})
+    f = Facts(proc_root="/proc", my_mnt_ns="mnt:[1]", my_net_ns="net:[1]", mapped_files={}, lock_table={})
     f.processes = {p.pid: p for p in procs}
     f.unreadable_pids = {p.pid: p.unreadable for p in procs if p.unreadable}
     for k, v in kw.items():
@@ -195,7 +195,7 @@ CASES = [
     (
         "segment live: lease",
         SEG._replace(lease=True),
-        facts(lock_table={(2, 20): [LockEntry("OFDLCK", "READ", -1)]}),
+        facts(lock_table={(2, 20): [LockEntry(kind="OFDLCK", mode="READ", pid=-1)]}),
         ROOT,
         (),
         State.LIVE,

@@ -1,4 +1,4 @@
-"""Naming and layout, both directions (LAYOUT.md §1-3)."""
+"""Naming and layout, both directions (docs/NODE.md §1-3)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_name_from_env_explicit_and_default() -> None:
 
 
 def test_hash_is_upstreams() -> None:
-    # The example from LAYOUT.md §3.
+    # The example from docs/NODE.md §3.
     assert naming.socket_dir_name("kvcached_vLLM_12345") == "kvcached-tp-kvcached_vLLM_12345-9bc83684"
 
 
@@ -44,12 +44,13 @@ def test_forward_paths() -> None:
 def test_reverse_classification() -> None:
     lay = Layout("/r")
     d = lay.socket_dir("n")
-    assert lay.classify(lay.socket_path("n", 1, 2)) == PathRef(PathKind.SOCKET, "n", True, rank=1, stage=2)
-    assert lay.classify(lay.socket_path("n", 0)) == PathRef(PathKind.SOCKET, "n", True, rank=0, stage=0)
-    assert lay.classify(d) == PathRef(PathKind.SOCKET_DIR, "n", True)
-    assert lay.classify(f"{d}/pp1") == PathRef(PathKind.STAGE_DIR, "n", True, stage=1)
-    assert lay.classify("/r/tmp/kvcached-tp-n-00000000") == PathRef(PathKind.SOCKET_DIR, "n", False)
-    assert lay.classify("/r/dev/shm/kvcached_vLLM_9") == PathRef(PathKind.SEGMENT, "kvcached_vLLM_9")
+    assert lay.classify(lay.socket_path("n", 1, 2)) == PathRef(kind=PathKind.SOCKET, deployment="n", rank=1, stage=2)
+    assert lay.classify(lay.socket_path("n", 0)) == PathRef(kind=PathKind.SOCKET, deployment="n", rank=0, stage=0)
+    assert lay.classify(d) == PathRef(kind=PathKind.SOCKET_DIR, deployment="n")
+    assert lay.classify(f"{d}/pp1") == PathRef(kind=PathKind.STAGE_DIR, deployment="n", stage=1)
+    assert lay.classify("/r/tmp/kvcached-tp-n-00000000") == PathRef(kind=PathKind.SOCKET_DIR, deployment="n",
+                                                                     hash_ok=False)
+    assert lay.classify("/r/dev/shm/kvcached_vLLM_9") == PathRef(kind=PathKind.SEGMENT, deployment="kvcached_vLLM_9")
     for not_ours in ("/r/dev/shm/nccl-123", "/r/tmp/other", f"{d}/junk", f"{d}/pp0", "/etc/passwd", "/r/tmp"):
         assert lay.classify(not_ours) is None, not_ours
 
@@ -94,7 +95,7 @@ def test_dp_rank_names() -> None:
     assert len(set(ranks)) == 3 and ranks[1].endswith("_dp1")
     # A default name with a DP suffix is still recognisably ours and keeps its PGID.
     assert naming.default_name_pgid("kvcached_vLLM_4242_dp3") == 4242
-    assert Layout("/r").classify("/r/dev/shm/kvcached_vLLM_4242_dp3") == PathRef(PathKind.SEGMENT,
-                                                                                  "kvcached_vLLM_4242_dp3")
+    assert Layout("/r").classify("/r/dev/shm/kvcached_vLLM_4242_dp3") == PathRef(kind=PathKind.SEGMENT,
+                                                                                  deployment="kvcached_vLLM_4242_dp3")
     with pytest.raises(ValueError):
         naming.dp_rank_name("n", -1)

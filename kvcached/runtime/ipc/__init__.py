@@ -1,1 +1,1 @@
-"""Worker IPC (DESIGN.md §5): a framed JSON protocol without pickle, a listener, a client."""
+"""Worker IPC (docs/CLEANER.md §5): a framed JSON protocol without pickle, a listener, a client."""

@@ -1,4 +1,4 @@
-"""A client for our worker listeners. Never point it at an upstream socket (LAYOUT.md §3)."""
+"""A client for our worker listeners. Never point it at an upstream socket (docs/NODE.md §3)."""
 
 from __future__ import annotations
 

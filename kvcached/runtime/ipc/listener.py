@@ -107,7 +107,7 @@ class WorkerListener:
         if not stat.S_ISSOCK(st.st_mode):
             raise SocketInUse(self.path, (), "something that is not a socket occupies the path; left alone")
         # The passive bind test, never a connect: a same-name upstream worker's
-        # listener dies on a bare connect-and-close (LAYOUT.md §3).
+        # listener dies on a bare connect-and-close (docs/NODE.md §3).
         result, err = bound(self.path)
         if result is Bind.BOUND:
             # A full /proc pass only here, to name who serves it in the error.

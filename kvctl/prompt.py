@@ -1,9 +1,10 @@
-"""`kvctl shell` (and bare `kvctl` on a terminal): kvctl's commands at a prompt, as upstream's kvctl had.
+"""The prompt of `kvctl shell` (and of bare `kvctl` on a terminal): kvctl's commands, one line at a time.
 
-Each line runs as `kvctl <line>` with the shell's own global options, through
-the same app; unknown input is an error, never a system shell call (upstream's
-`!cmd` is gone on purpose). Reads commands from stdin when it is not a
-terminal, and exits with the last command's code.
+Upstream's kvctl had such a shell. Each line runs as `kvctl <line>` with the
+shell's own global options, through the same group; unknown input is an
+error, never a system shell call (upstream's `!cmd` is gone on purpose).
+Reads commands from stdin when it is not a terminal, and exits with the last
+command's code.
 """
 
 from __future__ import annotations

@@ -1,0 +1,65 @@
+"""`kvctl doctor`: why state leaks on this node, one line and a fix per check."""
+
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ..documents import doctor_document
+from ..exitcodes import CliError, Exit
+from ..params import JsonDoctor, KvctlCommand, globals_of, typer_app
+from ..render import Out, emit_json, state_cell
+
+app = typer_app()
+
+
+def _render(out: Out, results: list[Any], *, ok: bool, strict: bool) -> None:
+    """A line per check under its group's heading, its fix below a warning or failure, then the counts."""
+    from kvcached.node.diagnostics import Status
+
+    group = None
+    width = max((len(r.name) for r in results), default=0)
+    for r in results:
+        if r.group is not group:
+            group = r.group
+            out.line((str(group), "bold"))
+        out.line(state_cell(r.status), " " * (5 - len(r.status)), r.name.ljust(width), "  ", r.summary, indent=2)
+        if r.fix and r.status in (Status.WARN, Status.FAIL):
+            out.line(" " * (7 + width), ("fix: ", "bold"), r.fix, indent=2)
+    counts = {s: sum(r.status is s for r in results) for s in Status}
+    out.line(
+        f"doctor: {counts[Status.OK]} ok, {counts[Status.WARN]} warn, {counts[Status.FAIL]} fail"
+        + (f", {counts[Status.SKIP]} skipped" if counts[Status.SKIP] else "")
+        + ("" if ok else " (unhealthy" + (", --strict" if strict else "") + ")")
+    )
+
+
+@app.command("doctor", cls=KvctlCommand)
+def doctor(
+    ctx: typer.Context,
+    checks: Annotated[
+        Optional[list[str]],
+        typer.Argument(metavar="CHECK", help="Checks or groups to run (default: all)."),
+    ] = None,
+    strict: Annotated[bool, typer.Option("--strict", metavar="", help="Warnings fail too.")] = False,
+    json_out: JsonDoctor = False,
+) -> int:
+    """Diagnose the node: environment, configuration, node state, serving engine; one line and a fix per check."""
+    from kvcached.node import diagnostics as dx
+
+    run = globals_of(ctx)
+    try:
+        selected = dx.select(checks or [])
+    except KeyError as e:
+        raise CliError(
+            f"unknown check {e.args[0]!r} (checks: {', '.join(dx.CHECK_NAMES)}; groups: "
+            f"{', '.join(dx.Group)})",
+            Exit.USAGE,
+        ) from None
+    results = dx.run_checks(dx.Context(run.layout(), kvctl=run.prefix()), selected)
+    ok = dx.healthy(results, strict=strict)
+    code = Exit.OK if ok else Exit.UNHEALTHY
+    if json_out:
+        emit_json(doctor_document(run.root, results, healthy=ok, strict=strict, code=code))
+        return code
+    _render(Out(), results, ok=ok, strict=strict)
+    return code

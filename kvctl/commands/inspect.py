@@ -1,0 +1,61 @@
+"""`kvctl inspect`: every deployment, its entries and processes, why each entry is live or stale; engine leftovers."""
+
+import time
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ..documents import inspect_document
+from ..exitcodes import CliError, Exit
+from ..params import JsonInspect, KvctlCommand, MinAgeOpt, NamesArg, globals_of, typer_app
+from ..render import Out, emit_json, render_view
+
+app = typer_app()
+
+
+@app.command("inspect", cls=KvctlCommand)
+def inspect(
+    ctx: typer.Context,
+    names: NamesArg = None,
+    pid: Annotated[
+        Optional[int],
+        typer.Option("--pid", metavar="PID", help="Inspect the node as PID sees it (its mount namespace)."),
+    ] = None,
+    min_age: MinAgeOpt = 60.0,
+    json_out: JsonInspect = False,
+) -> int:
+    """Every deployment: its segment, sockets, processes, orphans, and why each entry is live or stale."""
+    from kvcached.node.view import layout_for_pid
+
+    run = globals_of(ctx)
+    layout = run.layout()
+    if pid is not None:
+        if pid <= 0:
+            raise CliError(f"--pid {pid}: not a process id", Exit.USAGE)
+        layout = layout_for_pid(pid, run.root)
+    view = run.view(names or (), min_age, namespaces=True, layout=layout)
+    if names and not view.deployments:
+        raise CliError(f"no deployment matches {' '.join(names)}", Exit.NOT_FOUND)
+    engines = [] if names else _engine_state(view, min_age)  # they belong to no deployment a NAME selects
+    if json_out:
+        emit_json(inspect_document(view, pid, engines))
+        return Exit.OK
+    out = Out()
+    render_view(out, view, now=time.time(), hint=run.hinter(min_age))
+    if engines:
+        from ..render_engines import render_engine_view
+
+        out.blank()
+        render_engine_view(out, engines, hint=run.hinter(min_age))
+    return Exit.OK
+
+
+def _engine_state(view: Any, min_age: float) -> list[Any]:
+    """The engines' leftovers on the same node, judged from the view's own /proc pass, as gc --engines would act."""
+    from kvcached.node.decide import Policy
+    from kvcached.node.engines import plan_engines, preview_engines
+    from kvcached.node.names import rpc_dirs
+
+    layout = view.layout
+    return preview_engines(plan_engines(layout, Policy(grace=min_age), facts=view.facts,
+                                        rpc_dirs=rpc_dirs(layout.root)))

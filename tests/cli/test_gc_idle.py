@@ -1,0 +1,69 @@
+"""gc on a node that cannot hold kvcached state: the same answer, without the scan, the /proc pass or the decision.
+
+(bench/bench_cli_start.py measures this run: a cron gc on an idle node.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import kvcached.node.gcrun as gcrun
+from kvcached.node.enums import Outcome
+from kvcached.node.gcrun import GcOptions, NoMatch, run_gc
+from kvcached.node.names import may_hold_state, node_dirs
+
+from .conftest import kvctl
+
+
+def test_what_may_hold_state(layout) -> None:
+    assert node_dirs(layout.root) == (layout.tmp_dir, layout.shm_dir)
+    assert not may_hold_state(layout.root)
+    open(os.path.join(layout.shm_dir, "sem.mp-1"), "w").close()  # no valid IPC name: never a candidate
+    os.mkdir(os.path.join(layout.tmp_dir, "systemd-private-x"))
+    assert not may_hold_state(layout.root)
+    open(os.path.join(layout.shm_dir, "psm_abc"), "w").close()  # a valid name a process could carry
+    assert may_hold_state(layout.root)
+    os.unlink(os.path.join(layout.shm_dir, "psm_abc"))
+    os.mkdir(os.path.join(layout.tmp_dir, "kvcached-tp-x-00000000"))  # the scan looks at every one
+    assert may_hold_state(layout.root)
+    os.rmdir(os.path.join(layout.tmp_dir, "kvcached-tp-x-00000000"))
+    os.rename(layout.shm_dir, layout.shm_dir + ".away")  # a directory missing: nothing there
+    assert not may_hold_state(layout.root)
+    os.rename(layout.shm_dir + ".away", layout.shm_dir)
+    os.rename(layout.tmp_dir, layout.tmp_dir + ".away")
+    os.symlink("/etc", layout.tmp_dir)  # not a directory we may list (never followed): the scan reports it
+    assert may_hold_state(layout.root)
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_an_idle_node_gets_the_answer_of_a_full_run(layout, monkeypatch, dry_run: bool) -> None:
+    open(os.path.join(layout.shm_dir, "sem.mp-1"), "w").close()
+    opts = GcOptions(layout=layout, dry_run=dry_run, yes=True)
+    monkeypatch.setenv("KVCTL_LOCK", os.path.join(layout.root, "gc.lock"))
+    idle = run_gc(opts)
+    monkeypatch.setattr(gcrun, "may_hold_state", lambda root: True)
+    full = run_gc(opts)
+    for r in (idle, full):
+        assert r.report.entries == [] and r.report.errors == [] and r.outcome is Outcome.CLEAN
+        assert r.report.dry_run is dry_run and r.orphans == [] and not r.declined
+    assert idle.report.summary() | {"seconds": 0} == full.report.summary() | {"seconds": 0}
+    with pytest.raises(NoMatch):
+        run_gc(GcOptions(layout=layout, names=("nothing",), dry_run=True))
+    monkeypatch.undo()
+    with pytest.raises(NoMatch) as e:
+        run_gc(GcOptions(layout=layout, names=("nothing",), dry_run=True))
+    assert str(e.value) == f"no deployment matches nothing under {layout.root}"
+
+
+def test_gc_on_an_idle_node_loads_no_scan_or_decision(layout) -> None:
+    r = subprocess.run([sys.executable, "-X", "importtime", os.path.join(os.path.dirname(sys.executable), "kvctl"),
+                        "--root", layout.root, "gc", "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "gc: would remove 0, kept 0", r.stderr[-2000:]
+    mods = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "kvcached.node.gcrun" in mods  # the measurement works
+    assert not mods & {"kvcached.node.scan", "kvcached.node.facts", "kvcached.node.decide", "kvcached.node.cleanup"}
+    assert kvctl("--root", layout.root, "gc", "nothing").code == 6
