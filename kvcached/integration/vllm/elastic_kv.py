@@ -363,17 +363,27 @@ def _bind_steps(scheduler: Any, pool: Any) -> bool:
     inner_schedule = h_schedule.__wrapped__.__get__(scheduler, cls)  # what lies under our wrapper, bound
     inner_update = h_update.__wrapped__.__get__(scheduler, cls)
 
+    # _scheduled and _updated, written out: a frame and its argument packing per call are a
+    # measurable part of what a step pays here (bench_elastic.py, "scheduler step").
+    inflight = pool.inflight
+
     def schedule(*args: Any, **kwargs: Any) -> Any:
         if owner.get("schedule") is not h_schedule:
             _unbind(scheduler)
             return scheduler.schedule(*args, **kwargs)
-        return _scheduled(pool, inner_schedule, args, kwargs)
+        pool.begin_step()
+        out = inner_schedule(*args, **kwargs)
+        inflight.issue(out)
+        return out
 
     def update_from_output(*args: Any, **kwargs: Any) -> Any:
         if owner.get("update_from_output") is not h_update:
             _unbind(scheduler)
             return scheduler.update_from_output(*args, **kwargs)
-        return _updated(scheduler, pool, inner_update, args, kwargs)
+        inflight.complete(args[0] if args else kwargs.get("scheduler_output"))
+        out = inner_update(*args, **kwargs)
+        pool.end_step(idle=not scheduler.has_requests())
+        return out
 
     for fn in (schedule, update_from_output):
         setattr(fn, STEP_MARK, True)
