@@ -1,24 +1,32 @@
-"""Elastic KV inside vLLM 0.33: block pool cost, and mapped memory on a bursty trace, side by side.
+"""Elastic KV inside vLLM 0.33: what a scheduler step costs, block pool cost, mapped memory, side by side.
 
-    python bench/bench_elastic.py [--rounds 15] [--steps 1500]
+    python bench/bench_elastic.py [--rounds 15] [--steps 1500] [--step-rounds 30] [--step-steps 150]
 
-1. vLLM's BlockPool against kvcached's ElasticBlockPool on the same
+1. vLLM's real Scheduler without a model (bench/elastic_step.py), over
+   kvcached's elastic pool and over vLLM's own: 48 requests running, one
+   finishing and one arriving per step; the thread's CPU time in schedule()
+   and update_from_output() per step, rounds interleaved (A/B, then B/A).
+   The figure is the median of the per-round ratios, printed as
+   ``scheduler step, elastic / vLLM: N.NNx``. Target: <= 1.05x. A profiled
+   run beside it splits kvcached's share of a step by what it pays for.
+2. vLLM's BlockPool against kvcached's ElasticBlockPool on the same
    stationary load, driven as the scheduler drives it (get_new_blocks for
-   prompts and for decode growth, free_blocks when a request finishes), with
-   what the patched scheduler adds at each step boundary (end_step,
-   begin_step: limit read, page judgement, publish) counted in, so the cost
-   per block is amortised over the blocks a step moves. Steady state: the
-   working set is mapped before timing; whatever map/unmap the load's swings
-   still cause is counted. Rounds alternate between the two pools, CPU time;
-   the median of the per-round ratios is the figure (best-to-best beside
-   it). Target: <= 1.3x per block.
-2. vLLM's real Scheduler with the elastic pool (TP = 1, the KV cache in this
+   prompts and for decode growth, free_blocks when a request finishes):
+   the per-block paths alone (target: <= 1.15x), and with what the patched
+   scheduler adds at each step boundary (end_step, begin_step: limit read,
+   page judgement, publish) amortised over the 55 blocks a step moves here
+   (printed, no target: a serve pays the step work per step, figure 1).
+   Steady state: the working set is mapped before timing; whatever
+   map/unmap the load's swings still cause is counted. Rounds alternate
+   between the pools, CPU time; the median of the per-round ratios is the
+   figure (best-to-best beside it).
+3. vLLM's real Scheduler with the elastic pool (TP = 1, the KV cache in this
    process over memfd pages) on bursts of requests with idle gaps: the peak
    memory mapped against the peak KV in use (blocks allocated), and against
    the full preallocation vLLM makes without kvcached. Target: peak mapped
    <= 1.2x peak in use.
 
-Geometry as a Llama-8B-like layer: 16-token blocks of 8 KV heads x 64 x fp16
+Geometry of 2 and 3 as a Llama-8B-like layer: 16-token blocks of 8 KV heads x 64 x fp16
 (32 KiB per layer-block), 2 MiB pages, so 64 blocks per page.
 """
 
@@ -127,6 +135,39 @@ def _per_call(fn: Callable[[], object], calls: int = 2000) -> float:
     return best
 
 
+def bench_step(rounds: int, steps: int) -> float:
+    """vLLM's Scheduler over the elastic pool against over vLLM's own: CPU time per step, and its split."""
+    import elastic_step as es
+
+    with es.sides() as (plain, elastic, pool):
+        es.warm(plain, elastic)
+        counts = es.counting(pool)
+        ratios = es.interleaved(plain, elastic, rounds, steps)
+        same = plain.tokens == elastic.tokens and plain.running == elastic.running
+        p_us, e_us, split = es.profile_split(plain, elastic, steps)
+        mapped = pool.mapped_count
+    per_step = [sum(side.cpu) / (rounds * steps) * 1e6 for side in (plain, elastic)]
+    best = [min(side.cpu) / steps * 1e6 for side in (plain, elastic)]
+    ratio = statistics.median(ratios)
+    print(f"vLLM's Scheduler, no model: {es.LIVE} requests running, one finishing and one arriving per step "
+          f"(prompts {es.PROMPT[0]}-{es.PROMPT[1]} tokens behind a shared {es.SYSTEM}-token prefix); "
+          f"{rounds} interleaved rounds of {steps} steps per side; thread CPU time of schedule() + "
+          f"update_from_output()")
+    print(f"  vLLM's BlockPool                    {per_step[0]:8.1f} us/step mean, {best[0]:.1f} best round "
+          f"({statistics.mean(plain.tokens):.0f} tokens, {statistics.mean(plain.running):.0f} requests a step)")
+    print(f"  kvcached's elastic pool             {per_step[1]:8.1f} us/step mean, {best[1]:.1f} best round "
+          f"({mapped} pages mapped; {counts['mapped']} mapped, {counts['unmapped']} unmapped while timed)")
+    print(f"  the same schedule on both sides: {'yes' if same else 'NO (the figures compare different work)'}; "
+          f"ratio quartiles {statistics.quantiles(ratios, n=4)[0]:.3f} / {statistics.quantiles(ratios, n=4)[2]:.3f}")
+    print(f"  profiled (cProfile adds about 1 us per call on both sides): vLLM {p_us:.0f} us/step, "
+          f"elastic {e_us:.0f} us/step; kvcached's share by part, us/step:")
+    for label, us in split:
+        print(f"    {label:<58} {us:6.2f}")
+    print(f"scheduler step, elastic / vLLM: {ratio:.2f}x")
+    print(f"  (median of paired rounds; {'within' if ratio <= 1.05 else 'OVER'} the 1.05x target)")
+    return ratio
+
+
 def bench_pool(rounds: int, steps: int) -> float:
     from kvcached.node.segment import create_segment
 
@@ -178,11 +219,13 @@ def bench_pool(rounds: int, steps: int) -> float:
           f"({per_step / blocks_per_step * 1e9:.0f} ns/block at this load): reading the live limit "
           f"{limit_read * 1e6:.2f} us, in-flight batch tracking {inflight * 1e6:.2f} us")
     nostep = statistics.median(b / a for a, b in zip(t_plain, t_nostep))
-    print(f"  without the per-step work           {min(t_nostep) * 1e9:8.0f} ns/block best, "
-          f"{statistics.median(t_nostep) * 1e9:.0f} median: {nostep:.2f}x vLLM (median of paired rounds)")
-    print(f"  ratio elastic / vLLM: {paired:.2f}x median of paired rounds, {ratio:.2f}x best to best "
-          f"({'within' if paired <= 1.3 else 'OVER'} the 1.3x target)")
-    return paired
+    print(f"  vLLM's per-block paths alone        {min(t_nostep) * 1e9:8.0f} ns/block best, "
+          f"{statistics.median(t_nostep) * 1e9:.0f} median")
+    print(f"  per-block paths, elastic / vLLM: {nostep:.2f}x median of paired rounds "
+          f"({'within' if nostep <= 1.15 else 'OVER'} the 1.15x target)")
+    print(f"  with the step work amortised over {blocks_per_step:.0f} blocks, elastic / vLLM: {paired:.2f}x median "
+          f"of paired rounds, {ratio:.2f}x best to best (no target: a serve pays it per step, above)")
+    return nostep
 
 
 def bench_trace(seed: int = 3) -> float:
@@ -252,10 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--step-rounds", type=int, default=30, help="interleaved rounds of the scheduler step")
+    ap.add_argument("--step-steps", type=int, default=150, help="scheduler steps per side per round")
     args = ap.parse_args(argv)
     import logging
 
     logging.disable(logging.WARNING)  # vLLM's start-up chatter; the figures are printed below
+    bench_step(args.step_rounds, args.step_steps)
     bench_pool(args.rounds, args.steps)
     bench_trace()
     return 0

@@ -10,8 +10,9 @@ another's measurement.
 2. bench_gc.py         gc dry run vs a bare lstat+connect+stat loop (1,000 and 2,000
                        deployments), the /proc fact pass vs `ss -xap`, owner cleanup
 3. bench_pages.py      extension map+unmap vs a bare mmap/munmap loop; pool alloc/free
-4. bench_elastic.py    vLLM's BlockPool vs kvcached's elastic one (cost per block), and
-                       the memory mapped for a bursty trace vs vLLM's full preallocation
+4. bench_elastic.py    vLLM's Scheduler step over kvcached's elastic pool vs over vLLM's own
+                       (bench/elastic_step.py), the pools' cost per block, and the memory
+                       mapped for a bursty trace vs vLLM's full preallocation
 5. bench_sglang.py     SGLang's TokenToKVPoolAllocator vs kvcached's elastic one (cost per token, against
                        the same pool and against a pool of what kvcached maps), and the memory mapped for a
                        bursty trace vs the peak in use and SGLang's full preallocation

@@ -410,3 +410,53 @@ def test_the_pool_maps_under_the_engines_claimed_segment_and_alone_publishes_usa
         assert info.used + info.prealloc == mapped, "the engine's figures overwrote the pool's"
     finally:
         engine.release()
+
+
+def test_step_hooks_bound_on_the_scheduler_run_every_step_and_follow_the_patch(serve, elastic) -> None:
+    """After its first step a scheduler carries the step hooks itself (wrapt's wrapper costs per step).
+
+    They must still run at every step; when someone wraps the Scheduler's
+    method over ours, that wrapper must run and ours with it (the bound hooks
+    step aside); once the patch is undone, the scheduler runs vLLM's own
+    methods and the pool is no longer called.
+    """
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvcached.integration.vllm.patches import REGISTRY
+
+    s = serve()
+    calls: list[str] = []
+    begin, end = s.pool.begin_step, s.pool.end_step
+    s.pool.begin_step = lambda: (calls.append("begin"), begin())[1]
+    s.pool.end_step = lambda idle=False: (calls.append("end"), end(idle))[1]
+    s.driver.add(burst("r", 4, 40, 30))
+    s.driver.step()
+    assert all(getattr(vars(s.sched).get(name), elastic_kv.STEP_MARK, False) for name in elastic_kv.STEP_METHODS)
+    for _ in range(3):
+        s.driver.step()
+    assert calls == ["begin", "end"] * 4
+
+    ours = Scheduler.__dict__["schedule"]
+    seen: list[int] = []
+
+    def theirs(self, *args, **kwargs):
+        seen.append(1)
+        return ours.__get__(self, type(self))(*args, **kwargs)
+
+    Scheduler.schedule = theirs
+    try:
+        calls.clear()
+        for _ in range(2):
+            s.driver.step()
+        assert seen == [1, 1] and calls == ["begin", "end"] * 2
+        assert "schedule" not in vars(s.sched) and "update_from_output" not in vars(s.sched)
+    finally:
+        Scheduler.schedule = ours
+
+    s.driver.step()  # ours is the attribute again: bound again
+    assert getattr(vars(s.sched).get("schedule"), elastic_kv.STEP_MARK, False)
+    REGISTRY.revert()
+    assert not any(name in vars(s.sched) for name in elastic_kv.STEP_METHODS)
+    calls.clear()
+    s.driver.run()
+    assert calls == [] and s.driver.finished

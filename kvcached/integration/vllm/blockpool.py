@@ -64,6 +64,10 @@ log = logging.getLogger("kvcached.integration.vllm.blockpool")
 
 UNMAPPED, MAPPED, RELEASING = 0, 1, 2
 
+# vLLM's own, for the overrides that add a check around them (called once or a few times per step).
+_vllm_get_new_blocks = BlockPool.get_new_blocks
+_vllm_free_blocks = BlockPool.free_blocks
+
 
 class InFlight:
     """Which scheduled batches may still be running on the workers (the scheduler's thread only)."""
@@ -76,11 +80,11 @@ class InFlight:
 
     def issue(self, output: object) -> None:
         """A batch was scheduled (its workers may run it from now on)."""
-        self.issued += 1
+        seq = self.issued = self.issued + 1
         try:
-            self._open[self.issued] = weakref.ref(output)
+            self._open[seq] = weakref.ref(output)
         except TypeError:  # not weakly referenceable: then only its output closes it
-            self._open[self.issued] = lambda output=output: output
+            self._open[seq] = lambda output=output: output
 
     def complete(self, output: object) -> None:
         """The batch's output came back: its workers are done with it."""
@@ -217,13 +221,14 @@ class ElasticBlockPool(BlockPool):
         short = num_blocks - self.free_block_queue.num_free_blocks
         if short > 0:
             self._grow(short)
-        # BlockPool's own, named: a zero-argument super() costs a block's worth here (bench_elastic.py).
-        return BlockPool.get_new_blocks(self, num_blocks)
+        # BlockPool's own, bound once at import: a zero-argument super() costs a block's worth here
+        # (bench_elastic.py).
+        return _vllm_get_new_blocks(self, num_blocks)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """vLLM's free; over the limit, the pages it empties are released at once."""
         # Nothing per block (bench_elastic.py): pages are judged by _trim, a few times a second.
-        BlockPool.free_blocks(self, ordered_blocks)
+        _vllm_free_blocks(self, ordered_blocks)
         if self.mapped_count > self.max_pages:
             self._trim()
 
@@ -368,7 +373,19 @@ class ElasticBlockPool(BlockPool):
 
     def begin_step(self) -> None:
         """Before the scheduler runs: follow the limit (releasing at once what it no longer allows)."""
-        self._refresh_limit()
+        # Once per step, on every serve's path (bench_elastic.py, "scheduler step"): the limit
+        # read is one pread; the rest is done only when the limit moved or pages are waiting.
+        watch = self._limit_watch
+        if watch is not None:
+            try:
+                limit = watch.read()
+            except (KvcachedError, OSError) as e:
+                self._unreadable(e)
+            else:
+                if self._missing_warned:
+                    self._missing_warned = False
+                if limit != self.limit:
+                    self._set_limit(limit)
         if self.mapped_count > self.max_pages:
             self.end_step()
         elif self._releasing:
@@ -380,31 +397,42 @@ class ElasticBlockPool(BlockPool):
         `idle`: the scheduler has no request left, so no step will come to
         release pages later: release everything beyond the reserve now.
         """
-        self.release_finished()
+        if self._releasing:
+            self.release_finished()
         # While requests run, judging pages more often than a quarter of the delay buys
         # nothing (a page must stay free that long) and judging is most of a step's cost
         # (bench_elastic.py): judge at that pace, at once when idle or over the limit.
-        due = idle or self.mapped_count > self.max_pages or \
-            self.clock() - self._judged_at >= self.release_delay / 4
-        if due:
+        if idle or self.mapped_count > self.max_pages or \
+                self.clock() - self._judged_at >= self.release_delay * 0.25:
             self._trim(idle)
             self._publish()  # the used/prealloc split moves only when pages are judged
 
     def _refresh_limit(self) -> None:
+        """Read the limit from the segment now and follow it."""
+        if self._limit_watch is None:
+            return
         try:
-            if self._limit_watch is not None:
-                self.limit = self._limit_watch.read()
-                self._missing_warned = False
-        except SegmentMissing:
+            limit = self._limit_watch.read()
+        except (KvcachedError, OSError) as e:
+            self._unreadable(e)
+            return
+        self._missing_warned = False
+        self._set_limit(limit)
+
+    def _unreadable(self, e: Exception) -> None:
+        """The limit could not be read: keep the last one (guessing a bigger one could take memory an operator
+        withdrew), and say so (once while the segment is missing)."""
+        if isinstance(e, SegmentMissing):
             if not self._missing_warned:
                 log.warning("kvcached: no limit segment at %s; keeping the limit of %d bytes until it appears",
                             self.segment_path, self.limit)
                 self._missing_warned = True
-        except (KvcachedError, OSError) as e:
-            # Keep the last limit: guessing a bigger one could take memory an operator withdrew.
-            log.warning("kvcached: cannot read the limit from %s (%s); keeping %d", self.segment_path, e,
-                        self.limit)
-        max_pages = min(self.num_pages, max(0, self.limit) // self.page_bytes)
+            return
+        log.warning("kvcached: cannot read the limit from %s (%s); keeping %d", self.segment_path, e, self.limit)
+
+    def _set_limit(self, limit: int) -> None:
+        self.limit = limit
+        max_pages = min(self.num_pages, max(0, limit) // self.page_bytes)
         if max_pages != self.max_pages:
             self.max_pages = max_pages
             self._recount()
@@ -420,7 +448,7 @@ class ElasticBlockPool(BlockPool):
             write_segment(self.segment_path, used=used, prealloc=prealloc)
             self._published = (used, prealloc)
         except SegmentMissing:
-            pass  # warned by _refresh_limit
+            pass  # warned when the limit was read
         except (KvcachedError, OSError) as e:
             log.warning("kvcached: cannot publish usage to %s: %s", self.segment_path, e)
 

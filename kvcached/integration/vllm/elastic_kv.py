@@ -39,6 +39,7 @@ import inspect
 import logging
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -315,26 +316,113 @@ def _manager_init(wrapped: Any, _manager: Any, args: tuple[Any, ...], kwargs: di
         _tls.building = False
 
 
+# The step hooks. A serve pays them every scheduler step, so after the first step
+# they sit on the scheduler itself (`_bind_steps`): wrapt's wrapper costs a few
+# microseconds a call there, 2 % of a step of 48 requests (bench_elastic.py).
+
+STEP_METHODS = ("schedule", "update_from_output")
+STEP_MARK = "_kvcached_step"  # on the hooks bound on a scheduler
+_handles: dict[str, tuple[Any, Any]] = {}  # step method -> (the class, this patch's wrapper on it), while applied
+_bound: weakref.WeakSet[Any] = weakref.WeakSet()  # schedulers carrying the step hooks themselves
+
+
+def _scheduled(pool: Any, schedule: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    pool.begin_step()
+    out = schedule(*args, **kwargs)
+    pool.inflight.issue(out)
+    return out
+
+
+def _updated(scheduler: Any, pool: Any, update: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # The first parameter (probe() checked the signature): binding it through inspect, as the
+    # start-up hooks do, would cost tens of microseconds per step (bench_elastic.py).
+    pool.inflight.complete(args[0] if args else kwargs.get("scheduler_output"))
+    out = update(*args, **kwargs)
+    # What this output freed: released beyond the reserve, unmapped once no batch runs;
+    # all of it at once when nothing is left to schedule (no later step would).
+    pool.end_step(idle=not scheduler.has_requests())
+    return out
+
+
+def _bind_steps(scheduler: Any, pool: Any) -> bool:
+    """Put the step hooks on `scheduler` itself, over what this patch wraps; False when that would skip code.
+
+    Bound only while `scheduler`'s class reaches both methods through this
+    patch's own wrappers (no subclass override in between, nothing bound on
+    the instance). Each bound hook checks, per call, that the wrapper is still
+    the Scheduler's attribute: wrapped again or replaced since, the hooks step
+    aside and the call goes through the class as before. Undoing the patch
+    removes them from every scheduler (`_unbind_all`).
+    """
+    cls, own = type(scheduler), vars(scheduler)
+    if any(name not in _handles or name in own or inspect.getattr_static(cls, name, None) is not _handles[name][1]
+           for name in STEP_METHODS):
+        return False
+    (owner_cls, h_schedule), (_, h_update) = _handles["schedule"], _handles["update_from_output"]
+    owner = vars(owner_cls)
+    inner_schedule = h_schedule.__wrapped__.__get__(scheduler, cls)  # what lies under our wrapper, bound
+    inner_update = h_update.__wrapped__.__get__(scheduler, cls)
+
+    # _scheduled and _updated, written out: a frame and its argument packing per call are a
+    # measurable part of what a step pays here (bench_elastic.py, "scheduler step").
+    inflight = pool.inflight
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        if owner.get("schedule") is not h_schedule:
+            _unbind(scheduler)
+            return scheduler.schedule(*args, **kwargs)
+        pool.begin_step()
+        out = inner_schedule(*args, **kwargs)
+        inflight.issue(out)
+        return out
+
+    def update_from_output(*args: Any, **kwargs: Any) -> Any:
+        if owner.get("update_from_output") is not h_update:
+            _unbind(scheduler)
+            return scheduler.update_from_output(*args, **kwargs)
+        inflight.complete(args[0] if args else kwargs.get("scheduler_output"))
+        out = inner_update(*args, **kwargs)
+        pool.end_step(idle=not scheduler.has_requests())
+        return out
+
+    for fn in (schedule, update_from_output):
+        setattr(fn, STEP_MARK, True)
+        own[fn.__name__] = fn
+    _bound.add(scheduler)
+    return True
+
+
+def _unbind(scheduler: Any) -> None:
+    own = vars(scheduler)
+    for name in STEP_METHODS:
+        if getattr(own.get(name), STEP_MARK, False):
+            del own[name]
+    _bound.discard(scheduler)
+
+
+def _unbind_all() -> None:
+    """The patch is undone: every scheduler goes back to its class's methods."""
+    for scheduler in list(_bound):
+        _unbind(scheduler)
+    _handles.clear()
+
+
 def _schedule(wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     pool = elastic_pool(scheduler)
     if pool is None:
         return wrapped(*args, **kwargs)
-    pool.begin_step()
-    out = wrapped(*args, **kwargs)
-    pool.inflight.issue(out)
-    return out
+    if _bind_steps(scheduler, pool):
+        return scheduler.schedule(*args, **kwargs)
+    return _scheduled(pool, wrapped, args, kwargs)
 
 
 def _update_from_output(wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     pool = elastic_pool(scheduler)
     if pool is None:
         return wrapped(*args, **kwargs)
-    pool.inflight.complete(argument(wrapped, args, kwargs, "scheduler_output"))
-    out = wrapped(*args, **kwargs)
-    # What this output freed: released beyond the reserve, unmapped once no batch runs;
-    # all of it at once when nothing is left to schedule (no later step would).
-    pool.end_step(idle=not scheduler.has_requests())
-    return out
+    if _bind_steps(scheduler, pool):
+        return scheduler.update_from_output(*args, **kwargs)
+    return _updated(scheduler, pool, wrapped, args, kwargs)
 
 
 def _finish_requests(wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -373,11 +461,12 @@ def install(changes: Changes, mods: dict[str, Any]) -> None:
     changes.wrap(mods[M_COORDINATOR], "BlockPool", _block_pool)
     changes.wrap(mods[M_MANAGER].KVCacheManager, "__init__", _manager_init)
     sched = mods[M_SCHEDULER].Scheduler
-    changes.wrap(sched, "schedule", _schedule)
-    changes.wrap(sched, "update_from_output", _update_from_output)
+    for name, hook in zip(STEP_METHODS, (_schedule, _update_from_output)):
+        _handles[name] = (sched, changes.wrap(sched, name, hook))
     changes.wrap(sched, "finish_requests", _finish_requests)
     changes.wrap(mods[M_EXECUTOR].Executor, "initialize_from_config", _initialize_from_config)
     changes.on_undo(forget_engine)
+    changes.on_undo(_unbind_all)
 
 
 PATCH = Patch(
