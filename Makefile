@@ -1,6 +1,6 @@
 # Two commands on a bare machine (Python ≥ 3.10 with venv and a C++ compiler):
 #   make demo   install kvcached + kvctl into .venv and run `kvctl demo`
-#   make test   install the test dependencies (vLLM 0.33 without a GPU included) and run the suite
+#   make test   install the test dependencies (vLLM 0.33 and SGLang 0.5.23 without a GPU included) and run the suite
 # and for developers: make lint (ruff + mypy), make bench, make completions.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -23,10 +23,15 @@ $(VENV)/.vllm: $(VENV)/.test scripts/install-vllm.sh
 	. $(VENV)/bin/activate && bash scripts/install-vllm.sh
 	touch $@
 
+# SGLang goes in after vLLM, keeping vLLM's pins (scripts/install-sglang.sh reads them).
+$(VENV)/.sglang: $(VENV)/.vllm scripts/install-sglang.sh scripts/torchvision_cpu_ops.py
+	. $(VENV)/bin/activate && bash scripts/install-sglang.sh
+	touch $@
+
 demo: $(VENV)/.base
 	$(VENV)/bin/kvctl demo
 
-test: $(VENV)/.vllm
+test: $(VENV)/.sglang
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 $(VENV)/.lint: $(VENV)/.test

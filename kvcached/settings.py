@@ -242,6 +242,14 @@ OWNER_RETRY_S = Setting("KVCACHED_OWNER_RETRY_S", "seconds", 60.0,
                         "how long the engine owner keeps retrying cleanup of nodes still served after shutdown",
                         seconds(0))
 
+# The start-up sweep: an engine that starts with kvcached removes what gc proves dead, in the background.
+STARTUP_SWEEP = Setting("KVCACHED_STARTUP_SWEEP", "flag", True,
+                        "a starting engine sweeps the provably stale kvcached state of its own uid on the node, in "
+                        "the background (off: 0)", flag)
+STARTUP_SWEEP_ENGINES = Setting("KVCACHED_STARTUP_SWEEP_ENGINES", "flag", False,
+                                "the start-up sweep also removes the engines' own dead leftovers of its uid (vLLM, "
+                                "SGLang, NCCL, CUDA IPC), as kvctl gc --engines does", flag)
+
 # Elastic KV memory.
 PAGE_SIZE = Setting("KVCACHED_PAGE_SIZE", "bytes", 2 << 20,
                     "bytes per page of the elastic KV buffer (smaller than 2 MiB only on the CPU backend)", page_bytes)
@@ -264,9 +272,11 @@ KVCTL_ROOT = Setting[str | None]("KVCTL_ROOT", "path", None,
                                  "default for kvctl --root (read by kvctl's command line)", text)
 KVCTL_LOCK = Setting[str | None]("KVCTL_LOCK", "path", None, "path of kvctl gc's node-wide lock file",
                                  absolute_path)
+KVCTL_EVERY_MIN_S = Setting("KVCTL_EVERY_MIN_S", "seconds", 10.0,
+                            "the shortest DURATION kvctl gc --every accepts (tests set a tiny one)", seconds(0.001))
 
 ALL: tuple[Setting[Any], ...] = (
     ENABLE_KVCACHED, ENABLE, ELASTIC, VLLM_PLUGINS, IPC_NAME, ROOT, DP_SERVE, LIMIT, PUBLISH_INTERVAL_S,
-    OWNER_EXIT_WAIT_S, OWNER_RETRY_S, PAGE_SIZE, ELASTIC_RESERVE_PAGES, ELASTIC_RELEASE_DELAY_S, NVIDIA_GPUS_DIR,
-    NO_CUDA, REQUIRE_EXT, KVCTL_ROOT, KVCTL_LOCK,
+    OWNER_EXIT_WAIT_S, OWNER_RETRY_S, STARTUP_SWEEP, STARTUP_SWEEP_ENGINES, PAGE_SIZE, ELASTIC_RESERVE_PAGES,
+    ELASTIC_RELEASE_DELAY_S, NVIDIA_GPUS_DIR, NO_CUDA, REQUIRE_EXT, KVCTL_ROOT, KVCTL_LOCK, KVCTL_EVERY_MIN_S,
 )

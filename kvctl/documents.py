@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from kvcached.node.cleanup import Report
     from kvcached.node.report import Entry
     from kvcached.node.diagnostics import CheckResult
+    from kvcached.node.engines import EngineEntry, EngineReport
     from kvcached.node.gcrun import GcResult
     from kvcached.node.segment import SegmentInfo
     from kvcached.node.view import DeploymentView, NodeView
@@ -57,7 +58,8 @@ class EntryRows(list):  # type: ignore[type-arg]  # list[dict[str, Any]]
     of each row (state, action, reason, detail, pids) is worked out once, and
     `json()` writes the array from fragments encoded once per distinct part, which
     cost a tenth of json.dumps over the dicts (bench/bench_gc.py's JSON share).
-    tests/cli/test_documents.py checks that both say the same.
+    Rows appended later (`+=`, as gc --engines appends the engines' entries) are
+    written by json.dumps. tests/cli/test_documents.py checks that both say the same.
     """
 
     def __init__(self, entries: Sequence[Entry]) -> None:
@@ -97,6 +99,8 @@ class EntryRows(list):  # type: ignore[type-arg]  # list[dict[str, Any]]
             dep = "null" if c.deployment is None else text(c.deployment)
             out.append(f'{{"kind":"{c.kind._value_}","path":{text(c.path)},"deployment":{dep},{middle},'
                        f'"mtime":{_number(c.mtime)},"type":"{c.ftype._value_}"}}')
+        # Rows appended after the report's (gc --engines adds the engines' own): as json.dumps writes them.
+        out += (json.dumps(row, separators=(",", ":"), default=str) for row in self[len(self.entries):])
         return "[" + ",".join(out) + "]"
 
 
@@ -135,10 +139,27 @@ def _report(schema: str, root: str, report: Report, dry_run: bool, code: IntEnum
 
 
 def gc_document(root: str, result: GcResult, code: IntEnum) -> dict[str, Any]:
-    """`gc --json` (gc.json, schema kvctl.gc/1)."""
-    return _report("kvctl.gc/1", root, result.report, result.dry_run, code,
-                   orphans=[{"deployment": d.name, **o.to_dict()} for d, o in result.orphans],
-                   killed=[k.to_dict() for k in result.killed])
+    """`gc --json` (gc.json, schema kvctl.gc/1); with --engines, the engine leftovers' entries follow kvcached's."""
+    doc = _report("kvctl.gc/1", root, result.report, result.dry_run, code,
+                  orphans=[{"deployment": d.name, **o.to_dict()} for d, o in result.orphans],
+                  killed=[k.to_dict() for k in result.killed])
+    if result.engines is not None:
+        _add_engines(doc, result.report, result.engines)
+    return doc
+
+
+def _add_engines(doc: dict[str, Any], report: Report, engines: EngineReport) -> None:
+    """Engine entries after kvcached's; the summary counts both, and `summary.engines` the engines' alone."""
+    doc["entries"] += [e.to_dict() for e in engines.entries]
+    # Both plans read one /proc pass, so its errors are in both lists: each is reported once.
+    doc["errors"] = list(dict.fromkeys(report.errors + engines.errors))
+    mine: dict[str, Any] = doc["summary"]
+    theirs: dict[str, Any] = engines.summary()
+    for key in ("states", "actions"):
+        mine[key] = {k: n + theirs[key][k] for k, n in mine[key].items()}
+    mine.update(entries=mine["entries"] + theirs["entries"], errors=len(doc["errors"]),
+                timed_out=mine["timed_out"] or theirs["timed_out"],
+                seconds=round(max(report.finished, engines.finished) - report.started, 4), engines=theirs)
 
 
 def delete_document(root: str, report: Report, code: IntEnum) -> dict[str, Any]:
@@ -150,9 +171,10 @@ def _inspect(view: NodeView) -> dict[str, Any]:
     return {"schema": "kvctl.inspect/1", **view.to_dict()}
 
 
-def inspect_document(view: NodeView, pid: int | None) -> dict[str, Any]:
-    """`inspect --json` (inspect.json): the node's view, and the `--pid` it was seen through."""
-    return {**_inspect(view), "pid": pid}
+def inspect_document(view: NodeView, pid: int | None,
+                     engines: Sequence[EngineEntry] = ()) -> dict[str, Any]:
+    """`inspect --json` (inspect.json): the node's view, the `--pid` it was seen through, the engines' leftovers."""
+    return {**_inspect(view), "pid": pid, "engine_state": [e.to_dict() for e in engines]}
 
 
 def doctor_document(root: str, results: Sequence[CheckResult], *, healthy: bool, strict: bool,

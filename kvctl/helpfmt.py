@@ -24,7 +24,8 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "kvtop": ("kvctl kvtop", "kvctl kvtop -r 2 my-serve"),
     "delete": ("kvctl delete kvcached_vLLM_4242", "kvctl delete my-serve --yes --min-age 0"),
     "inspect": ("kvctl inspect", "kvctl inspect my-serve --json", "kvctl inspect --pid 41237   (a container's view)"),
-    "gc": ("kvctl gc --dry-run", "kvctl gc --yes --prometheus /var/lib/node_exporter/textfile/kvctl.prom",
+    "gc": ("kvctl gc --dry-run", "kvctl gc --yes --engines --prometheus /var/lib/node_exporter/textfile/kvctl.prom",
+           "kvctl gc --yes --engines --every 10m --json   (a node agent: a JSON line per run until SIGTERM)",
            "kvctl gc --yes --min-age 0 my-serve   (an entrypoint: go on after 0, 3 or 6; README)"),
     "doctor": ("kvctl doctor", "kvctl doctor node engine --strict", "kvctl doctor --json"),
     "demo": ("kvctl demo", "kvctl --root /tmp/kvdemo demo --tp 1 --pp 1"),
@@ -42,7 +43,8 @@ EXITS: dict[str, str] = {
               "7 refused (live, not ours, or not proven dead without --yes)",
     "inspect": "0 ok; 6 NAME or --pid matches nothing",
     "gc": "0 nothing stale remains; 3 stale entries remain (dry run, not confirmed, time limit); "
-          "4 a removal or kill failed; 5 another gc holds the lock; 6 NAME matches nothing",
+          "4 a removal or kill failed; 5 another gc holds the lock; 6 NAME matches nothing; "
+          "with --every: the last run's code on SIGTERM or SIGINT",
     "doctor": "0 healthy (warnings allowed); 8 a check failed (--strict: or warned)",
     "demo": "0 the deployment's state was found and removed; 3 something remained; 4 a removal failed",
     "shell": "the exit code of the last command",

@@ -70,15 +70,15 @@ def note(message: str) -> None:
     print(safe(message), file=sys.stderr, flush=True)
 
 
-def emit_json(obj: Any, stream: IO[str] | None = None) -> None:
-    """One JSON document on stdout (machine output)."""
+def emit_json(obj: Any, stream: IO[str] | None = None, *, one_line: bool = False) -> None:
+    """One JSON document on stdout (machine output); `one_line`: compact even on a terminal (a line per run)."""
     import json
 
     stream = stream or sys.stdout
     # Indented for a person at a terminal; compact for scripts, because only the
     # compact form takes the C encoder (10x faster on a node with 10k entries),
     # and a report's entries their own encoder (documents.EntryRows).
-    if stream.isatty():
+    if stream.isatty() and not one_line:
         text = json.dumps(obj, indent=2, default=str)
     else:
         from .documents import json_text

@@ -103,9 +103,18 @@ def render_table() -> str:
     return TABLE_HEADER + f"CHECKS = {pprint.pformat(checks, width=110, compact=True)}\n\n" + _format(specs)
 
 
+def _value(key: str, v: Any, indent: str) -> str:
+    """A value's literal; a long tuple (gc's --kind choices) folded under its opening parenthesis."""
+    text = repr(v)
+    if not isinstance(v, tuple) or len(text) <= 90:
+        return text
+    words = textwrap.wrap(", ".join(map(repr, v)), 90, break_on_hyphens=False, break_long_words=False)
+    return "(" + f"\n{indent} {' ' * len(repr(key))}   ".join(words) + ")"
+
+
 def _item(item: dict[str, Any], indent: str) -> list[str]:
     """One option or argument as a dict literal: its fields packed into lines of at most 116 columns."""
-    parts = [f"{k!r}: {v!r}" for k, v in item.items() if k != "help"]
+    parts = [f"{k!r}: {_value(k, v, indent)}" for k, v in item.items() if k != "help"]
     if "help" in item:
         chunks = textwrap.wrap(item["help"], 90, drop_whitespace=False) or [""]
         parts.append("'help': " + f"\n{indent}         ".join(map(repr, chunks)))

@@ -72,6 +72,10 @@ def pytest_configure(config: pytest.Config) -> None:
         if var not in os.environ:
             os.makedirs(os.path.join(scratch, sub))
             os.environ[var] = os.path.join(scratch, sub)
+    # Engines started by tests (the harness's, vLLM's in process) do not sweep their node at start-up: a test
+    # plants dead state to see what kvctl or the owner makes of it, and a sweep in the background would race
+    # it. The sweep's own tests (tests/fs/test_startup_sweep.py) turn it on for the engines they start.
+    os.environ.setdefault("KVCACHED_STARTUP_SWEEP", "0")
     config._kvcached_psm_before = _vllm_shm()  # type: ignore[attr-defined]
     try:
         _require_vllm()

@@ -13,6 +13,13 @@ The same duty serves one level down: an executor owns its worker processes
 engine's to give back), which matters where no engine owner is above it
 (headless worker nodes) or where the engine outlives a worker it killed.
 
+The engines' own buffers go the same way (kvcached.node.owner_buffers): the
+`psm_*` and `nccl-*` files (any engine family's) that the engine processes
+and their workers map at READY are captured by identity and, after the
+confirmed exit, removed unless a live process still maps or holds them. Only
+the owner of the engines does this (the engine itself maps its buffers for
+as long as an executor's workers could).
+
 The owner never installs a signal handler: a process that did not ask for one
 (an offline `LLM` script) keeps the default SIGTERM action. On a process-group
 SIGTERM its engine and workers clean up after themselves (they are not
@@ -35,6 +42,7 @@ from typing import Protocol
 from .. import settings
 from ..node.layout import Layout
 from ..node.owner import OwnerResult, SegmentCleanup, WorkerSocketCleanup
+from ..node.owner_buffers import BufferCleanup
 
 log = logging.getLogger("kvcached.integration.engine_owner")
 
@@ -75,6 +83,7 @@ class EngineOwner:
         self.pp_size = pp_size
         self.segments = [SegmentCleanup(layout, n) for n in self.names] if segments else []
         self.sockets = [WorkerSocketCleanup(layout, n, tp_size, pp_size) for n in self.names]
+        self.buffers = BufferCleanup(layout) if segments else None
         self.captured = False
         self.complete = False
         self._lock = threading.RLock()
@@ -90,8 +99,10 @@ class EngineOwner:
             try:
                 segs = sum(s.capture() for s in self.segments)
                 n = sum(s.capture() for s in self.sockets)
+                bufs = self.buffers.capture(p.pid for p in self.processes if p.pid) if self.buffers else 0
                 self.captured = True
-                log.info("kvcached owner: captured %s (segments: %d, worker sockets: %d)", self.name, segs, n)
+                log.info("kvcached owner: captured %s (segments: %d, worker sockets: %d, engine buffers: %d)",
+                         self.name, segs, n, bufs)
             except Exception as e:
                 log.warning("kvcached owner: capture of %s failed, nothing will be cleaned: %s", self.name, e)
 
@@ -145,6 +156,8 @@ class EngineOwner:
     def _cleanup_once(self, log_kept: bool = True) -> None:
         # Sockets first: a worker socket still served keeps its deployment, and so its segment, live.
         results = [s.cleanup() for s in self.sockets] + [s.cleanup() for s in self.segments]
+        if self.buffers is not None:
+            results.append(self.buffers.cleanup())
         self.results.extend(results)
         for r in results:
             for path in r.removed:

@@ -7,7 +7,9 @@ never a worker), holds the segment's lease for its life (docs/CLEANER.md §4),
 publishes the KV cache memory it holds as used/prealloc, and at TP=1 serves
 `w0.sock` itself, since the model runs in this process (upstream does the
 same). Its executor's shutdown gives everything back: the socket first, then
-the lease, then the segment if nobody else holds a lease on it.
+the lease, then the segment if nobody else holds a lease on it. Claiming also
+starts the start-up sweep (kvcached.node.sweep): in the background, what dead
+serves of this uid left on the node goes.
 
 `claimed_segment()` is the API the runtime's block pool uses to find the
 segment and limit this process claimed. Nothing here raises into the engine.
@@ -66,14 +68,17 @@ class EngineState:
         self._deferred = False  # the elastic block pool publishes used/prealloc instead
 
     def claim(self, limit: Limit) -> ClaimedSegment | None:
-        """Create, join or replace the segment with `limit`, and hold its lease. Never raises."""
+        """Create, join or replace the segment with `limit`, hold its lease, start the start-up sweep. Never raises."""
         from ..node.startup import claim_segment
+        from ..node.sweep import start_sweep
 
         try:
             lease, info, how = claim_segment(self.layout, self.name, limit.total)
         except Exception as e:
             log.warning("kvcached: engine %s claimed no segment: %s", self.name, e)
             return None
+        finally:
+            start_sweep(self.layout)  # in the background: what the node's dead serves left (once per start)
         # Pinned by inode now: at release only this very file may be removed.
         pin = SegmentCleanup(self.layout, self.name)
         pin.capture()

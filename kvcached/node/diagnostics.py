@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import settings
 from . import naming
@@ -29,6 +29,9 @@ from .layout import SUN_PATH_MAX, Layout
 from .mounts import mount_of
 from .units import entries
 from .view import NodeView, build_view
+
+if TYPE_CHECKING:  # the engine pass is imported by the one check that asks for it
+    from .engines import EnginePlan
 
 
 class Status(StrEnum):
@@ -75,6 +78,15 @@ class Context:
     @cached_property
     def plan(self) -> Plan:
         return plan(self.layout, self.policy, proc_root=self.proc_root)
+
+    @cached_property
+    def engine_plan(self) -> EnginePlan:
+        """The engines' leftovers, judged from the plan's own /proc pass (as `kvctl gc --engines` would)."""
+        from .engines import plan_engines
+        from .names import rpc_dirs
+
+        return plan_engines(self.layout, self.policy, facts=self.plan.facts, rpc_dirs=rpc_dirs(self.layout.root),
+                            proc_root=self.proc_root)
 
     @cached_property
     def view(self) -> NodeView:
@@ -432,6 +444,25 @@ def check_namespaces(ctx: Context) -> list[CheckResult]:
     )
 
 
+def check_engine_leftovers(ctx: Context) -> list[CheckResult]:
+    """What the engines themselves left (vLLM, SGLang, NCCL, CUDA IPC): warn while dead ones hold memory."""
+    from collections import Counter
+
+    from .units import format_size
+
+    found = ctx.engine_plan.entries()
+    stale = [c for c, d in found if d.state is State.STALE]
+    if not stale:
+        kept = Counter(str(d.state) for _, d in found)
+        return _r("engine-leftovers", Group.NODE, Status.OK, "no dead engine leftovers"
+                  + (f" ({', '.join(f'{n} {s}' for s, n in sorted(kept.items()))}: kept)" if found else ""))
+    held = sum(c.allocated for c in stale)
+    by_engine = ", ".join(f"{n} {e}" for e, n in sorted(Counter(str(c.engine) for c in stale).items()))
+    return _r("engine-leftovers", Group.NODE, Status.WARN,
+              f"{entries(len(stale), 'dead')} left by the engines ({by_engine}) holding {format_size(held)}",
+              f"{ctx.kvctl} gc --engines --yes", paths=[c.path for c in stale], bytes=held)
+
+
 # serving engine ---------------------------------------------------------------
 
 # The integrations' one entry for doctor (docs/VLLM.md, "kvctl doctor"): it prints kvcached.detect/1.
@@ -598,6 +629,8 @@ CHECKS: tuple[Check, ...] = (
     Check("stale", Group.NODE, "stale, unknown and foreign entries (the scan gc uses)", check_stale),
     Check("orphans", Group.NODE, "orphaned workers", check_orphans),
     Check("namespaces", Group.NODE, "deployments in other mount namespaces", check_namespaces),
+    Check("engine-leftovers", Group.NODE, "what vLLM, SGLang, NCCL and CUDA left that is provably dead",
+          check_engine_leftovers),
     Check("vllm", Group.ENGINE, "installed vLLM: shutdown conditions and kvcached patches", check_vllm),
 )
 CHECK_NAMES = tuple(c.name for c in CHECKS)

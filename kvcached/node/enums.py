@@ -3,8 +3,9 @@
 kvctl compares states, actions, kinds and outcomes as members (`e.action is
 Action.KEPT`), never through their strings; importing them from here costs it
 no scan, /proc pass or decision code. Their old homes (`decide.State`,
-`cleanup.Action`, `scan.Kind`, `gcrun.Outcome`, `orphans.Outcome`) import them
-from here, so both spellings name the same members.
+`cleanup.Action`, `scan.Kind`, `gcrun.Outcome`, `orphans.Outcome`,
+`engines.families.EngineKind` and `Engine`) import them from here, so both
+spellings name the same members.
 """
 
 from __future__ import annotations
@@ -47,6 +48,25 @@ class Kind(StrEnum):
     SEGMENT = "segment"
     SOCKET = "socket"
     DIRECTORY = "directory"
+
+
+class EngineKind(StrEnum):
+    """What an engine leftover is (kvcached.node.engines): the `kind` of its entries, a value of `gc --kind`."""
+
+    VLLM_SHM = "vllm-shm"      # vLLM's /dev/shm buffers (psm_*, vllm_mm_*, offload and encoder cache regions)
+    VLLM_IPC = "vllm-ipc"      # vLLM's ZMQ IPC sockets (/tmp/<uuid4>, VLLM_RPC_BASE_PATH)
+    SGLANG_SHM = "sglang-shm"  # sgl_shm_*, multi_tokenizer_args_*, sglang_loads_*
+    NCCL_SHM = "nccl-shm"      # nccl-*
+    CUDA_SHM = "cuda-shm"      # cuda.shm.*
+
+
+class Engine(StrEnum):
+    """Whose leftover an engine entry is (its `engine` field, the `engine` label of its metrics)."""
+
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    NCCL = "nccl"
+    CUDA = "cuda"
 
 
 class Outcome(StrEnum):

@@ -2,7 +2,10 @@
 
 `run_gc(options, ...)`: the node's lock, one plan, orphans killed (and the
 plan made again), the operator's confirmation, the time budget, metrics, and
-an outcome. `run_delete(...)`: one deployment, through the same decisions,
+an outcome. With `engines` (kvctl gc --engines) the same run also plans and
+acts on the engines' own leftovers (kvcached.node.engines) from the same /proc
+pass, under the same lock, confirmation and time budget; without it the
+engine pass is never imported. `run_delete(...)`: one deployment, through the same decisions,
 with delete's own rules for live, foreign and doubtful entries. Questions to
 the operator are callbacks: the core never reads a terminal.
 
@@ -20,15 +23,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from .enums import Category, KillOutcome, Kind, Outcome, State
-from .errors import KvcachedError
+from .enums import Category, EngineKind, KillOutcome, Kind, Outcome, State
+from .errors import InvalidName, KvcachedError
 from .layout import Layout
-from .names import may_hold_state
-from .report import Entry, Report
+from .names import may_hold_state, rpc_dirs
+from .report import Report
 
 if TYPE_CHECKING:
     from .cleanup import Plan
     from .decide import Decision
+    from .engines import EnginePlan, EngineReport
     from .facts import Facts
 
 
@@ -42,6 +46,12 @@ class Refused(KvcachedError):
     """delete will not act: the target is live, not ours, or not proven dead without the operator's word."""
 
     category = Category.REFUSED
+
+
+class BadRequest(KvcachedError):
+    """Options that contradict each other (engine leftovers asked for by deployment name)."""
+
+    category = Category.BAD_INPUT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +68,19 @@ class GcOptions:
     kill_orphans: bool = False
     prometheus: str | None = None
     proc_root: str = "/proc"
+    engines: bool = False              # also the engines' own leftovers (vLLM, SGLang, NCCL, CUDA)
+    engine_kinds: Sequence[EngineKind] = ()  # `--kind` values of engine leftovers: only these (implies engines)
+    rpc_dirs: Sequence[str] | None = None    # vLLM's RPC directories besides /tmp; None: VLLM_RPC_BASE_PATH
+
+    @property
+    def engine_pass(self) -> bool:
+        """Whether the run judges engine leftovers: asked for, and not filtered out by kvcached-only kinds."""
+        return (self.engines or bool(self.engine_kinds)) and (bool(self.engine_kinds) or not self.kinds)
+
+    @property
+    def kvcached_pass(self) -> bool:
+        """Whether the run acts on kvcached's own state: `--kind` naming engine kinds alone leaves it out."""
+        return bool(self.kinds) or not self.engine_kinds
 
 
 @dataclass(kw_only=True)
@@ -71,10 +94,12 @@ class GcResult:
     killable: set[int] = field(default_factory=set)     # orphan pids kvctl may terminate
     killed: list[Any] = field(default_factory=list)     # orphans.KillResult
     declined: bool = False             # stale entries remain because nobody confirmed
+    engines: EngineReport | None = None  # the engine leftovers' report, when the run judged them
 
 
-# (plan, the same plan as a dry run) -> remove?; None: nobody to ask (cron), so do not remove
-Confirm = Callable[["Plan", Report], bool]
+# (plan, the same plan as a dry run) -> remove?; None: nobody to ask (cron), so do not remove.
+# A run that judges engine leftovers passes their dry run too, as the keyword `engines`.
+Confirm = Callable[..., bool]
 ConfirmKill = Callable[[list[Any]], bool]
 
 
@@ -111,20 +136,33 @@ def _orphans(p: Plan) -> tuple[list[Any], set[int], list[Any]]:
     return view.orphans, {o.pid for _, o in targets}, targets
 
 
-def outcome_of(report: Report, killed: Sequence[Any] = ()) -> Outcome:
-    """Failures first, then stale entries left, else clean."""
-    if report.failures or any(k.outcome is KillOutcome.FAILED for k in killed):
+def outcome_of(report: Report, killed: Sequence[Any] = (), engines: EngineReport | None = None) -> Outcome:
+    """Failures first, then stale entries left (kvcached's or, when judged, the engines'), else clean."""
+    if report.failures or any(k.outcome is KillOutcome.FAILED for k in killed) or (
+            engines is not None and engines.failures):
         return Outcome.PARTIAL_FAILURE
-    return Outcome.STALE_REMAIN if report.stale_remaining else Outcome.CLEAN
+    if report.stale_remaining or (engines is not None and engines.stale_remaining):
+        return Outcome.STALE_REMAIN
+    return Outcome.CLEAN
+
+
+def check_options(opts: GcOptions) -> None:
+    """Raise BadRequest for options that contradict each other (before any work, and before a loop of runs)."""
+    if opts.names and opts.engine_pass:
+        raise BadRequest("engine leftovers belong to no deployment: --engines and the engine kinds of --kind take "
+                         f"no NAME (given: {' '.join(opts.names)})")
 
 
 def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: ConfirmKill | None = None,
-           progress: Callable[[Entry], None] | None = None) -> GcResult:
+           progress: Callable[[Any], None] | None = None) -> GcResult:
     """Lock, plan, (kill orphans, plan again), confirm, act within the time budget, write metrics.
 
-    Raises gclock.LockBusy (metrics say so first), NoMatch, and the errors of
-    a bad metrics target before doing any work.
+    Raises gclock.LockBusy (metrics say so first), NoMatch, BadRequest, and
+    the errors of a bad metrics target before doing any work. With engine
+    leftovers asked for, `confirm` is called as confirm(plan, preview,
+    engines=engine_preview).
     """
+    check_options(opts)
     started, wall_start = time.monotonic(), time.time()
     if opts.prometheus:
         from . import metrics  # only then: cron without metrics on a clean node stays fast
@@ -144,7 +182,8 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
                 metrics.write_lock_busy(opts.prometheus, wall_start, time.time())
             raise
     try:
-        if may_hold_state(opts.layout.root):
+        # Engine leftovers may sit where no kvcached name does (vLLM's sockets in /tmp): no shortcut then.
+        if opts.engine_pass or may_hold_state(opts.layout.root):
             result = _judge_and_act(opts, started, confirm, confirm_kill, progress)
         elif opts.names:
             raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
@@ -160,16 +199,42 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
 
         metrics.write_report(opts.prometheus, result.report,
                              success=result.outcome is Outcome.CLEAN and not result.dry_run,
-                             orphans=len(result.orphans), started=wall_start)
+                             orphans=len(result.orphans), started=wall_start, engines=result.engines)
     return result
 
 
+def _kvcached_plan(opts: GcOptions, extra: Sequence[str] = ()) -> Plan:
+    """kvcached's plan of the run (its /proc facts serve the engine plan too); empty when --kind leaves it out."""
+    p = make_plan(opts.layout, opts.names, opts.grace, opts.kinds, extra=extra, proc_root=opts.proc_root)
+    return p if opts.kvcached_pass else replace(p, roots=[])
+
+
+def _engine_plan(opts: GcOptions, p: Plan) -> EnginePlan:
+    from .engines import plan_engines
+
+    dirs = rpc_dirs(opts.layout.root) if opts.rpc_dirs is None else tuple(opts.rpc_dirs)
+    return plan_engines(opts.layout, p.policy, facts=p.facts, rpc_dirs=dirs, kinds=opts.engine_kinds,
+                        proc_root=opts.proc_root)
+
+
+def _ask(confirm: Confirm, p: Plan, ep: EnginePlan | None) -> bool:
+    """The operator's word on the plan, shown as the same plan run dry."""
+    from .cleanup import execute
+
+    preview = execute(p, dry_run=True)
+    if ep is None:
+        return confirm(p, preview)
+    from .engines import execute_engines
+
+    return confirm(p, preview, engines=execute_engines(ep, dry_run=True))
+
+
 def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, confirm_kill: ConfirmKill | None,
-                   progress: Callable[[Entry], None] | None) -> GcResult:
+                   progress: Callable[[Any], None] | None) -> GcResult:
     """gc's run under the lock: plan, orphans, confirmation, the guarded act."""
     from .cleanup import execute
 
-    p = make_plan(opts.layout, opts.names, opts.grace, opts.kinds, proc_root=opts.proc_root)
+    p = _kvcached_plan(opts)
     if opts.names and not p.matched:
         raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
     orphans, killable, targets = _orphans(p)
@@ -180,19 +245,40 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
 
             killed = terminate([o.info for _, o in targets], grace=5.0, proc_root=opts.proc_root)
             # Their segment may be named only by the processes just killed: name it explicitly.
-            p = make_plan(opts.layout, opts.names, opts.grace, opts.kinds,
-                          extra=sorted({d.name for d, _ in targets}), proc_root=opts.proc_root)
+            p = _kvcached_plan(opts, extra=sorted({d.name for d, _ in targets}))
             orphans, killable, _ = _orphans(p)
+    ep = _engine_plan(opts, p) if opts.engine_pass else None
     dry = opts.dry_run
     declined = False
-    if not dry and not opts.yes and any(d.state is State.STALE for _, d in p.entries()):
-        dry = confirm is None or not confirm(p, execute(p, dry_run=True))
+    stale = any(d.state is State.STALE for _, d in p.entries()) or (
+        ep is not None and any(d.state is State.STALE for _, d in ep.entries()))
+    if not dry and not opts.yes and stale:
+        dry = confirm is None or not _ask(confirm, p, ep)
         declined = dry
-    # The bound covers the whole run: planning and killing count against it.
-    remaining = max(1e-9, opts.time_limit - (time.monotonic() - started)) if opts.time_limit else None
-    report = execute(p, dry_run=dry, time_limit=remaining, progress=progress)
-    return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed), orphans=orphans,
-                    killable=killable, killed=killed, declined=declined)
+
+    def left() -> float | None:
+        # The bound covers the whole run: planning, killing and kvcached's removals count against it.
+        return max(1e-9, opts.time_limit - (time.monotonic() - started)) if opts.time_limit else None
+
+    report = execute(p, dry_run=dry, time_limit=left(), progress=progress)
+    engines = None
+    if ep is not None:
+        from .engines import execute_engines
+
+        engines = execute_engines(ep, dry_run=dry, time_limit=left(), progress=progress)
+    return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed, engines), orphans=orphans,
+                    killable=killable, killed=killed, declined=declined, engines=engines)
+
+
+def _refuse_engine_name(name: str) -> None:
+    """A name that no kvcached deployment has but an engine family does: delete does not take engine leftovers."""
+    from .engines.families import Where, match_name
+
+    m = match_name(Where.SHM, name) or match_name(Where.RPC, name)
+    if m is not None:
+        raise Refused(f"{name}: not a kvcached deployment but {m.family.engine}'s ({m.family.what}); delete does not "
+                      f"take engine leftovers: 'kvctl gc --engines --kind {m.family.kind}' removes it once it is "
+                      "provably dead")
 
 
 def run_delete(layout: Layout, name: str, *, grace: float | None = None, vouch: bool = False,
@@ -207,16 +293,22 @@ def run_delete(layout: Layout, name: str, *, grace: float | None = None, vouch: 
     """
     from .cleanup import execute
 
-    layout.segment_path(name)  # InvalidName: a usage error, before any work
+    try:
+        layout.segment_path(name)  # InvalidName: a usage error, before any work
+    except InvalidName:
+        _refuse_engine_name(name)  # cuda.shm.* is no valid IPC name, but it is a name an operator may try
+        raise
     p = make_plan(layout, [name], grace, proc_root=proc_root)
     entries = p.entries()
     if not entries:
+        _refuse_engine_name(name)
         raise NoMatch(f"{name}: no such deployment (no segment or socket directory under {layout.root})")
     for c, d in entries:
         if c.kind is Kind.SEGMENT and d.state is State.LIVE:
             who = f" (PID {', '.join(map(str, d.pids))})" if d.pids else ""
             raise Refused(f"{name} is live{who}: {d.detail}; refusing to delete")
         if c.kind is Kind.SEGMENT and d.state is State.FOREIGN:
+            _refuse_engine_name(name)  # a file that is no segment but an engine's buffer: say so
             raise Refused(f"{c.path}: not ours to delete ({d.detail})")
     doubtful = [(c, d) for c, d in entries if d.state in (State.UNKNOWN, State.YOUNG)]
     if doubtful and not vouch:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from .cleanup import Action, Report
 from .decide import State
+from .enums import Engine
 from .errors import KvcachedError
 from .scan import Kind
 
@@ -112,9 +113,13 @@ def render(report: Report, *, success: bool, orphans: int = 0, last_success: flo
 
 
 def render_engines(report: EngineReport) -> str:
-    """The engine leftovers' metrics: entries and bytes by engine and state, what was removed, what is left."""
-    from .engines import Engine
+    """The engine leftovers' metrics: entries and bytes by engine and state, what was removed, what is left.
 
+    Written only by runs that judged them (gc --engines). A plain run writes
+    none of them, not zeros: zeros would tell an alert on
+    kvctl_gc_engine_stale_bytes that the node is clean when nobody looked
+    (alert on absent(kvctl_gc_engine_entries) where the engine pass must run).
+    """
     lines: list[str] = []
     pairs = [(g, s) for g in Engine for s in State]
     _metric(lines, "engine_entries", "gauge", "Engine leftovers found by the last run, by engine and state.",

@@ -95,3 +95,48 @@ def deployment_names(root: str = "/") -> set[str]:
         finally:
             os.close(shm_fd)
     return names
+
+
+# The first characters of every engine family's names in /dev/shm (kvcached.node.engines.families; a test
+# holds the two together): a name without one is no engine's, and costs plain gc no pattern match.
+ENGINE_SHM_PREFIXES = ("psm_", "vllm_mm_", "vllm_offload_", "vllm_ec_", "sgl_shm_", "multi_tokenizer_args_",
+                       "sglang_loads_", "nccl-", "cuda.shm.")
+_UUID_LEN = 36
+
+
+def rpc_dirs(root: str = "/", environ: dict[str, str] | None = None) -> tuple[str, ...]:
+    """vLLM's RPC directory from VLLM_RPC_BASE_PATH (as vLLM reads it: an absolute path), re-based under `root`."""
+    value = (os.environ if environ is None else environ).get("VLLM_RPC_BASE_PATH", "")
+    if not value or not os.path.isabs(value):
+        return ()
+    return (os.path.normpath(os.path.join(root, value.lstrip("/"))),)
+
+
+def _listed(directory: str) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except OSError:
+        return []
+
+
+def engine_leftover_count(root: str = "/", rpc_dirs: tuple[str, ...] = (), exclude: frozenset[str] = frozenset()
+                          ) -> int:
+    """How many entries under `root` carry an engine family's name (`exclude`: /dev/shm names kvcached took).
+
+    By name and directory-entry type alone, judged not at all: what plain gc
+    may mention on stderr without the engine pass (no /proc, no maps, no
+    stat). The name patterns are imported only when a name could be one.
+    """
+    tmp, shm = node_dirs(root)
+    shm_names = [e.name for e in _listed(shm) if e.name.startswith(ENGINE_SHM_PREFIXES) and e.name not in exclude]
+    # vLLM's ZMQ sockets are named by a uuid4; the entry's d_type tells a directory or a file without a stat.
+    rpc_names = [e.name for d in (tmp, *rpc_dirs) for e in _listed(d)
+                 if len(e.name) == _UUID_LEN and e.name[8] == "-"
+                 and not e.is_dir(follow_symlinks=False) and not e.is_file(follow_symlinks=False)]
+    if not shm_names and not rpc_names:
+        return 0
+    from .engines.families import Where, match_name
+
+    return (sum(match_name(Where.SHM, n) is not None for n in shm_names)
+            + sum(match_name(Where.RPC, n) is not None for n in rpc_names))

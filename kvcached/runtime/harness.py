@@ -3,7 +3,7 @@
 Three tiers in one new process group, shaped like a vLLM serve:
 
     api (owner of the engine; runs owner-side cleanup when enabled)
-     └─ engine (creates the segment, holds its lease, spawns the workers)
+     └─ engine (creates the segment, holds its lease, starts the start-up sweep, spawns the workers)
          └─ worker × TP × PP (each serves `[pp<k>/]w<r>.sock`)
 
 `stop_like_vllm()` stops it the way vLLM 0.33 does: SIGTERM to the process
@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import psutil  # imported up front: a lazy import inside a signal handler can be interrupted
 
@@ -120,8 +120,12 @@ def _base_cmd(role: str, name: str, layout: Layout, tp: int, pp: int) -> list[st
 
 def start_deployment(name: str, tp: int = 1, pp: int = 1, *, layout: Layout | None = None,
                      limit: int = DEFAULT_LIMIT, owner_cleanup: bool = False, pool: bool = False,
-                     timeout: float = 30.0, env: dict[str, str] | None = None) -> Deployment:
-    """Start api + engine + TP×PP workers in a new process group; return once every worker answers."""
+                     timeout: float = 30.0, env: dict[str, str] | None = None,
+                     log: IO[Any] | None = None) -> Deployment:
+    """Start api + engine + TP×PP workers in a new process group; return once every worker answers.
+
+    `log`: where the deployment's stderr (the engine's log) goes; default: ours.
+    """
     layout = layout or Layout()
     cmd = _base_cmd("api", name, layout, tp, pp) + ["--limit", str(limit)]
     if owner_cleanup:
@@ -129,7 +133,7 @@ def start_deployment(name: str, tp: int = 1, pp: int = 1, *, layout: Layout | No
     if pool:
         cmd.append("--pool")
     child_env = {**os.environ, **(env or {}), "KVCACHED_IPC_NAME": name}
-    api = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=child_env,
+    api = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, stderr=log, env=child_env,
                            start_new_session=True, text=True)
     info = _read_ready(api, timeout)
     if info is None:
@@ -216,9 +220,15 @@ def _run_worker(args: argparse.Namespace, layout: Layout) -> int:
 
 
 def _run_engine(args: argparse.Namespace, layout: Layout) -> int:
-    from ..node.startup import claim_segment
+    import logging
 
+    from ..node.startup import claim_segment
+    from ..node.sweep import start_sweep
+
+    # The engine's log is its stderr, as a vLLM engine's is: the start-up sweep says there what it removed.
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     lease, _, how = claim_segment(layout, args.name, args.limit)
+    start_sweep(layout)  # like a vLLM engine's claim: in the background, never before READY
     workers: list[tuple[int, int, subprocess.Popen]] = []
     stopping = False
 
@@ -341,9 +351,12 @@ def _event(kind: str, **fields: Any) -> None:
 
 def _run_demo(args: argparse.Namespace, layout: Layout) -> int:
     """Start a deployment with the pool, report it, stop it like vLLM 0.33, report that everything died."""
+    from .. import settings
     from .ipc.client import ping
 
-    dep = start_deployment(args.name, args.tp, args.pp, layout=layout, limit=args.limit, pool=True)
+    # `kvctl demo` touches nothing on the node but its own deployment: no start-up sweep of the rest.
+    dep = start_deployment(args.name, args.tp, args.pp, layout=layout, limit=args.limit, pool=True,
+                           env={settings.STARTUP_SWEEP.name: "0"})
     try:
         answers = {
             f"pp{s}/w{r}": ping(layout.socket_path(args.name, r, s))["pid"] for (s, r) in sorted(dep.worker_pids)

@@ -4,10 +4,10 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from kvcached.node.enums import Action, Kind
+from kvcached.node.enums import Action, EngineKind, Kind, StrEnum
 
-from ..documents import gc_document
-from ..exitcodes import exit_of
+from ..documents import error_document, gc_document
+from ..exitcodes import CATEGORY_EXIT, CliError, Exit, exit_of
 from ..params import (
     Globals,
     JsonGc,
@@ -18,22 +18,47 @@ from ..params import (
     parse_duration,
     typer_app,
 )
-from ..render import Out, emit_json, log_report, note, render_report
+from ..render import Out, emit_json, log_line, log_report, note, render_report, summary_line
 
 app = typer_app()
+
+
+class KindChoice(StrEnum):
+    """Every value `--kind` takes: kvcached's kinds, then the engine leftovers' (kvcached.node.enums)."""
+
+    SEGMENT = "segment"
+    SOCKET = "socket"
+    DIRECTORY = "directory"
+    VLLM_SHM = "vllm-shm"
+    VLLM_IPC = "vllm-ipc"
+    SGLANG_SHM = "sglang-shm"
+    NCCL_SHM = "nccl-shm"
+    CUDA_SHM = "cuda-shm"
+
+
+# Each choice as the node layer's member (a test holds the choices to Kind and EngineKind).
+NODE_KIND: dict[KindChoice, Kind | EngineKind] = {KindChoice(m.value): m for m in (*Kind, *EngineKind)}
 
 
 def _asker(out: Out, run: Globals) -> Any:
     """gc's question before it removes (on a terminal): the plan, one row per deployment, then yes or no."""
 
-    def confirm(plan: Any, preview: Any) -> bool:
+    def confirm(plan: Any, preview: Any, engines: Any = None) -> bool:
         if not interactive():
             return False
         render_report(out, preview, verbose=run.verbose > 0, by_deployment=True)
         gone = [e for e in preview.entries if e.action is Action.WOULD_REMOVE]
         deps = len({e.candidate.deployment for e in gone})
-        return typer.confirm(f"Remove {len(gone)} stale entr{'y' if len(gone) == 1 else 'ies'} of {deps} "
-                             f"deployment(s)?", default=False, err=True)
+        what = f"{len(gone)} stale entr{'y' if len(gone) == 1 else 'ies'} of {deps} deployment(s)"
+        if engines is not None:
+            from kvcached.node.units import format_size
+
+            from ..render_engines import render_engine_report
+
+            render_engine_report(out, engines, verbose=run.verbose > 0, by_engine=True)
+            n = engines.count(action=Action.WOULD_REMOVE)
+            what += f" and {n} engine leftover(s) ({format_size(engines.bytes(action=Action.WOULD_REMOVE))})"
+        return typer.confirm(f"Remove {what}?", default=False, err=True)
 
     return confirm
 
@@ -66,6 +91,75 @@ def _orphan_lines(out: Out, run: Globals, result: Any, min_age: float) -> None:
             out.line(("hint: ", "yellow"), f"orphaned {o.role.role} PID {o.pid} of {d.name}: {o.orphan_reason}; {how}")
 
 
+def _engine_hint(run: Globals, result: Any, min_age: float) -> None:
+    """Plain gc, for a person at a terminal: how many names here are engines' (not judged), and the flag."""
+    import os
+    import sys
+
+    from kvcached.node.names import engine_leftover_count, rpc_dirs
+
+    if not sys.stderr.isatty():
+        return  # cron's log would get the same line every run, live engines' buffers counted too
+    ours = frozenset(os.path.basename(e.path) for e in result.report.entries if e.kind is Kind.SEGMENT)
+    n = engine_leftover_count(run.root, rpc_dirs(run.root), ours)
+    if n:
+        note(f"gc: {n} entr{'y' if n == 1 else 'ies'} here carry an engine's name (vLLM, SGLang, NCCL, CUDA IPC), "
+             f"not judged by plain gc: {run.hinter(min_age)('gc --engines')} removes the dead ones")
+
+
+def _run_line(result: Any, code: int) -> tuple[str, str]:
+    """--every's line for one run, and its log level."""
+    line = f"kvctl gc: {summary_line(result.report)[4:]}"
+    if result.engines is not None:
+        from ..render_engines import engine_summary_line
+
+        line += f"; {engine_summary_line(result.engines)}"
+    level = "error" if code in (Exit.ERROR, Exit.PARTIAL_FAILURE) else "warning" if code else "info"
+    return f"{line} (exit {code})", level
+
+
+def _one_run(opts: Any, run: Globals, json_out: bool) -> int:
+    """One run of gc --every: its line (or JSON line), its exit code; a failed run is said and the loop goes on."""
+    from kvcached.node.errors import KvcachedError
+    from kvcached.node.gcrun import run_gc
+
+    try:
+        result = run_gc(opts)
+    except KvcachedError as e:  # the lock busy, a metrics file that cannot be written, NAMEs matching nothing
+        code = CATEGORY_EXIT[e.category]
+        if json_out:
+            emit_json(error_document(code, str(e)), one_line=True)
+        else:
+            log_line(f"kvctl gc: {e}; nothing done this run (exit {int(code)})",
+                     "warning" if code in (Exit.LOCK_BUSY, Exit.NOT_FOUND) else "error")
+        return int(code)
+    code = exit_of(result.outcome)
+    if json_out:
+        emit_json(gc_document(run.root, result, code), one_line=True)
+    else:
+        log_line(*_run_line(result, int(code)))
+    return int(code)
+
+
+def _every(every: float, opts: Any, run: Globals, json_out: bool) -> int:
+    """gc --every: refuse what could never act, then one run after another until SIGTERM or SIGINT."""
+    from kvcached import settings
+    from kvcached.node.gcrun import check_options
+
+    from ..gcloop import Stop, run_every
+
+    floor = settings.KVCTL_EVERY_MIN_S.get()
+    if every < floor:
+        raise CliError(f"--every {every:g}s: at least {floor:g}s (each run is a pass over /proc)", Exit.USAGE)
+    if not opts.yes and not opts.dry_run:
+        # Nobody can answer gc's question in a loop, and off a terminal it would never remove anything.
+        raise CliError("--every runs unattended: give --yes (remove what is provably dead) or --dry-run "
+                       "(only report)", Exit.USAGE)
+    check_options(opts)
+    with Stop() as stop:
+        return run_every(every, lambda: _one_run(opts, run, json_out), stop)
+
+
 @app.command("gc", cls=KvctlCommand)
 def gc(
     ctx: typer.Context,
@@ -81,9 +175,17 @@ def gc(
     ] = False,
     min_age: MinAgeOpt = 60.0,
     kinds: Annotated[
-        Optional[list[Kind]],
-        typer.Option("--kind", metavar="KIND", help="Only segment, socket (with their directories) or directory."),
+        Optional[list[KindChoice]],
+        typer.Option("--kind", metavar="KIND",
+                     help="Only these kinds: segment, socket (with their directories), directory; or engine "
+                     "leftovers: vllm-shm, vllm-ipc, sglang-shm, nccl-shm, cuda-shm (these imply --engines)."),
     ] = None,
+    engines: Annotated[
+        bool,
+        typer.Option("--engines", metavar="",
+                     help="Also the engines' own leftovers (vLLM's psm_* buffers and ZMQ sockets, SGLang's, NCCL's, "
+                     "CUDA IPC's): removed when provably dead, each on its own evidence. Takes no NAME."),
+    ] = False,
     time_limit: Annotated[
         float,
         typer.Option("--time-limit", parser=parse_duration, metavar="DURATION", show_default="5m",
@@ -100,6 +202,12 @@ def gc(
                      help="Terminate orphaned workers of deployments whose engine is confirmed gone "
                      "(asks first unless --yes)."),
     ] = False,
+    every: Annotated[
+        Optional[float],
+        typer.Option("--every", parser=parse_duration, metavar="DURATION",
+                     help="Run again every DURATION (10% jitter; the first run at once) until SIGTERM or SIGINT, "
+                     "one line per run; needs --yes or --dry-run; at least 10s."),
+    ] = None,
     json_out: JsonGc = False,
 ) -> int:
     """Remove stale kvcached state: only what every signal proves dead and older than --min-age."""
@@ -107,24 +215,39 @@ def gc(
 
     run = globals_of(ctx)
     out = Out()
+    chosen = [NODE_KIND[k] for k in kinds or ()]
     opts = GcOptions(layout=run.layout(), names=tuple(names or ()), grace=min_age,
-                     kinds=tuple(kinds or ()), dry_run=dry_run, yes=yes,
-                     time_limit=time_limit or None, kill_orphans=kill_orphans, prometheus=prometheus)
+                     kinds=tuple(k for k in chosen if isinstance(k, Kind)), dry_run=dry_run, yes=yes,
+                     time_limit=time_limit or None, kill_orphans=kill_orphans, prometheus=prometheus,
+                     engines=engines, engine_kinds=tuple(k for k in chosen if isinstance(k, EngineKind)))
+    if every is not None:
+        return _every(every, opts, run, json_out)
     result = _run(opts, out, run, json_out)
     code = exit_of(result.outcome)
     if kill_orphans and not dry_run and not yes and not result.killed and result.killable:
         note("orphans not terminated: confirm on a terminal or pass --yes")
     if result.declined:
-        stale = len(result.report.stale_remaining)
+        again = "gc --engines --yes" if opts.engine_pass else "gc --yes"
+        stale = len(result.report.stale_remaining) + len(result.engines.stale_remaining if result.engines else ())
         note(f"nothing removed: {stale} stale entr{'y' if stale == 1 else 'ies'} remain; "
-             f"re-run with --yes to remove them ({run.hinter(min_age)('gc --yes')})")
+             f"re-run with --yes to remove them ({run.hinter(min_age)(again)})")
     if json_out:
         emit_json(gc_document(run.root, result, code))
     elif not (result.declined and interactive()):  # the prompt already showed the plan
         # A row per deployment on a terminal (every entry with -v), a row per entry elsewhere.
         render_report(out, result.report, verbose=run.verbose > 0, by_deployment=out.terminal)
+        if result.engines is not None:
+            from ..render_engines import render_engine_report
+
+            render_engine_report(out, result.engines, verbose=run.verbose > 0, by_engine=out.terminal)
     if not out.terminal and not result.dry_run:
         log_report(result.report)  # cron sends stdout to /dev/null: problems and the summary go to stderr
+        if result.engines is not None:
+            from ..render_engines import log_engine_report
+
+            log_engine_report(result.engines)
     if not json_out:
         _orphan_lines(out, run, result, min_age)
+        if result.engines is None and not names:
+            _engine_hint(run, result, min_age)
     return code

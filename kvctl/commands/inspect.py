@@ -1,7 +1,7 @@
-"""`kvctl inspect`: every deployment, its entries and processes, and why each entry is live or stale."""
+"""`kvctl inspect`: every deployment, its entries and processes, why each entry is live or stale; engine leftovers."""
 
 import time
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -36,8 +36,26 @@ def inspect(
     view = run.view(names or (), min_age, namespaces=True, layout=layout)
     if names and not view.deployments:
         raise CliError(f"no deployment matches {' '.join(names)}", Exit.NOT_FOUND)
+    engines = [] if names else _engine_state(view, min_age)  # they belong to no deployment a NAME selects
     if json_out:
-        emit_json(inspect_document(view, pid))
+        emit_json(inspect_document(view, pid, engines))
         return Exit.OK
-    render_view(Out(), view, now=time.time(), hint=run.hinter(min_age))
+    out = Out()
+    render_view(out, view, now=time.time(), hint=run.hinter(min_age))
+    if engines:
+        from ..render_engines import render_engine_view
+
+        out.blank()
+        render_engine_view(out, engines, hint=run.hinter(min_age))
     return Exit.OK
+
+
+def _engine_state(view: Any, min_age: float) -> list[Any]:
+    """The engines' leftovers on the same node, judged from the view's own /proc pass, as gc --engines would act."""
+    from kvcached.node.decide import Policy
+    from kvcached.node.engines import plan_engines, preview_engines
+    from kvcached.node.names import rpc_dirs
+
+    layout = view.layout
+    return preview_engines(plan_engines(layout, Policy(grace=min_age), facts=view.facts,
+                                        rpc_dirs=rpc_dirs(layout.root)))

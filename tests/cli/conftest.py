@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pytest
 from typer.testing import CliRunner
 
 from kvctl.cli import app
+
+from ..schemas import validate
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "kvctl" / "schemas"
@@ -32,11 +33,6 @@ class Run:
         if schema:
             validate(doc, schema)
         return doc
-
-
-def validate(doc: Any, name: str) -> None:
-    """Check `doc` against kvctl/schemas/<name>.json (the documented contract)."""
-    jsonschema.validate(doc, json.loads((SCHEMAS / f"{name}.json").read_text()))
 
 
 def invoke(*args: str, input: str | None = None, env: dict[str, str] | None = None) -> Run:

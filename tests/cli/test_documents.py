@@ -121,6 +121,9 @@ def test_entry_rows_write_what_json_dumps_writes(node, uniq: str) -> None:
     plain = [e.to_dict() for e in entries]
     assert list(rows) == plain  # the same NaN object on both sides: equal as list items
     assert rows.json() == json.dumps(plain, separators=(",", ":"))
+    rows += [{"kind": "vllm_rpc", "path": "/tmp/x", "pids": []}]  # what gc --engines appends
+    plain += [{"kind": "vllm_rpc", "path": "/tmp/x", "pids": []}]
+    assert isinstance(rows, documents.EntryRows) and rows.json() == json.dumps(plain, separators=(",", ":"))
     doc = {"a": 1, "entries": rows, "nested": {"gc": {"entries": rows}}, "x": [1.5, None]}
     plain_doc = {"a": 1, "entries": plain, "nested": {"gc": {"entries": plain}}, "x": [1.5, None]}
     assert documents.json_text(doc) == json.dumps(plain_doc, separators=(",", ":"))

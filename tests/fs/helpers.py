@@ -10,6 +10,10 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
+
+from kvcached.node.layout import Layout
+from kvcached.node.segment import create_segment
 
 
 def stale_socket(path: str) -> tuple[int, int]:
@@ -278,3 +282,21 @@ def stop_one_kill_rest(dep, stage: int = 0, rank: int = 1) -> int:
             dep.signal(pid, signal.SIGKILL)
     dep.wait(timeout=2)
     return stopped
+
+
+def dead_deployment(layout: Layout, name: str, tp: int = 2) -> list[str]:
+    """What a SIGKILLed serve leaves: its segment, its socket directory and nodes nobody serves, all old."""
+    create_segment(layout.segment_path(name), 1 << 30)
+    for rank in range(tp):
+        stale_socket(layout.socket_path(name, rank))
+    os.chmod(layout.socket_dir(name), 0o700)
+    paths = [layout.socket_path(name, r) for r in range(tp)] + [layout.socket_dir(name), layout.segment_path(name)]
+    for p in paths:
+        backdate(p)
+    return paths
+
+
+def state_of(d: Any) -> list[str]:
+    """Every path of a running harness deployment (a Deployment): segment, socket directory, each rank's node."""
+    lay = d.layout
+    return [lay.segment_path(d.name), lay.socket_dir(d.name)] + [p for _, _, p in lay.socket_paths(d.name, d.tp, d.pp)]

@@ -9,88 +9,38 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
-import socket
-import stat
 import struct
 import subprocess
-import sys
-import textwrap
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import jsonschema
 import pytest
 
-from kvcached.node import cleanup, gcrun
+from kvcached.node import cleanup
 from kvcached.node.cleanup import Action
 from kvcached.node.decide import Policy, State
 from kvcached.node.engines import EngineKind, EngineReason, execute_engines, plan_engines
-from kvcached.node.engines.act import EnginePlan
-from kvcached.node.engines.evidence import pid_view_gap
 from kvcached.node.facts import START_SLACK
 from kvcached.node.layout import Layout
 
+from .engine_plant import (
+    OLD,
+    SCHEMA,
+    SLEEPER,
+    Children,
+    Node,
+    assert_plain_gc_ignores,
+    backdate,
+    by_path,
+    engine_plan,
+    names_of,
+    needs_whole_view,
+    plant_matrix,
+)
+from .engine_plant import READY_THEN_WAIT as _READY_THEN_WAIT
 from .helpers import live_socket, run_as
-
-# Whether this machine's /proc shows every process (the initial PID namespace's procfs). In a container's
-# own, nothing that maps or holds files can be proven absent, and every buffer stays unknown by design
-# (test_engine_namespaces.py shows that case in a real namespace).
-WHOLE_VIEW = pid_view_gap("/proc") is None
-needs_whole_view = pytest.mark.skipif(not WHOLE_VIEW, reason=f"/proc here is a container's: {pid_view_gap('/proc')}")
-SCHEMA = json.loads((Path(__file__).parents[2] / "kvctl/schemas/engine_entry.json").read_text())
-OLD = 3600.0
-
-_READY_THEN_WAIT = 'print("ready", flush=True)\nsys.stdin.read()\n'
-# Maps the file, then closes the fd: only /proc/<pid>/maps shows it. (Python's mmap keeps a dup of
-# the fd for the mapping's life, so the mapping is made through libc.)
-MAPPER = textwrap.dedent("""
-    import ctypes, mmap, os, sys
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    fd = os.open(sys.argv[1], os.O_RDONLY)
-    addr = libc.mmap(None, 4096, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if addr in (None, ctypes.c_void_p(-1).value):
-        sys.exit("mmap: " + os.strerror(ctypes.get_errno()))
-    os.close(fd)
-""") + _READY_THEN_WAIT
-HOLDER = "import os, sys\nfd = os.open(sys.argv[1], os.O_RDONLY)\n" + _READY_THEN_WAIT
-LISTENER = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\ns.listen(4)\n"
-            + _READY_THEN_WAIT)
-SLEEPER = "import sys\n" + _READY_THEN_WAIT
-
-
-class Children:
-    """Child processes of one test: started until they say ready, killed and reaped at teardown."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def spawn(self, script: str, *args: str, user: int | None = None) -> subprocess.Popen[str]:
-        p = subprocess.Popen([sys.executable, "-c", script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, user=user)
-        self.procs.append(p)
-        assert p.stdout is not None
-        line = p.stdout.readline().strip()
-        assert line == "ready", f"child said {line!r} (exit {p.poll()})"
-        return p
-
-    def dead_pid(self) -> int:
-        """A PID that was a process of ours a moment ago and is free now."""
-        p = subprocess.Popen([sys.executable, "-c", "pass"])
-        p.wait()
-        return p.pid
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
 
 
 @pytest.fixture
@@ -100,180 +50,12 @@ def children() -> Iterator[Children]:
     kids.close()
 
 
-@dataclass
-class Node:
-    """A node to plant on: a private root or the real one, with every planted path removed at teardown."""
-
-    layout: Layout
-    planted: list[str] = field(default_factory=list)
-
-    @property
-    def shm(self) -> str:
-        return self.layout.shm_dir
-
-    @property
-    def tmp(self) -> str:
-        return self.layout.tmp_dir
-
-    def fresh(self, directory: str, make: str) -> str:
-        for _ in range(100):
-            name = make.format(hex8=secrets.token_hex(4), alnum6=secrets.token_urlsafe(8)[:6].replace("-", "x")
-                               .replace("_", "y"), uuid=uuid.uuid4())
-            if not os.path.lexists(os.path.join(directory, name)):
-                return name
-        raise AssertionError("no free name")
-
-    def file(self, name: str, *, age: float = OLD, nbytes: int = 8192, mode: int = 0o600,
-             directory: str | None = None) -> str:
-        path = os.path.join(directory or self.shm, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-        self.planted.append(path)
-        try:
-            os.write(fd, b"k" * nbytes)
-        finally:
-            os.close(fd)
-        backdate(path, age)
-        return path
-
-    def socket(self, name: str, *, age: float = OLD, directory: str | None = None) -> str:
-        """A socket node nobody is bound to any more (what a SIGKILLed ZMQ listener leaves)."""
-        path = os.path.join(directory or self.tmp, name)
-        s = socket.socket(socket.AF_UNIX)
-        s.bind(path)
-        self.planted.append(path)
-        s.close()
-        backdate(path, age)
-        return path
-
-    def cleanup(self) -> None:
-        for path in self.planted:
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                os.rmdir(path)
-            else:
-                os.unlink(path)
-
-
-def backdate(path: str, seconds: float) -> None:
-    t = time.time() - seconds
-    os.utime(path, (t, t), follow_symlinks=False)
-
-
 @pytest.fixture(params=["private", "real"])
 def node(request: pytest.FixtureRequest, layout: Layout) -> Iterator[Node]:
     """A private root, or the machine's own /dev/shm and /tmp (names unique to the test, removed after)."""
     n = Node(layout if request.param == "private" else Layout("/"))
     yield n
     n.cleanup()
-
-
-def names_of(paths: list[str]) -> list[str]:
-    return [os.path.basename(p) for p in paths]
-
-
-def engine_plan(n: Node, paths: list[str], **kw: object) -> EnginePlan:
-    # Only our own names: on the real node, other processes' leftovers are not this test's to touch.
-    return plan_engines(n.layout, Policy(grace=60), names=names_of(paths), **kw)  # type: ignore[arg-type]
-
-
-def by_path(p: EnginePlan) -> dict[str, tuple[State, EngineReason]]:
-    return {c.path: (d.state, d.reason) for c, d in p.entries()}
-
-
-def assert_plain_gc_ignores(n: Node, paths: list[str]) -> None:
-    """kvcached's own plan (cleanup.plan, gcrun.make_plan) shows none of them and removes none."""
-    planted = set(paths)
-    for p in (cleanup.plan(n.layout, Policy(grace=0)), gcrun.make_plan(n.layout, grace=0)):
-        assert not planted & {c.path for c, _ in p.entries()}
-        dry = cleanup.execute(p, dry_run=True)
-        assert not planted & {e.path for e in dry.entries}
-        if n.layout.root != "/":  # on the real node a real run would touch other sessions' state
-            cleanup.execute(p, dry_run=False)
-    assert all(os.path.lexists(x) for x in paths), [x for x in paths if not os.path.lexists(x)]
-
-
-def plant_matrix(n: Node, kids: Children) -> tuple[dict[str, tuple[State, EngineReason]], list[str]]:
-    """Every family live and dead, young, foreign; (expected decision by path, every planted path)."""
-    f, s = n.file, n.socket
-    want: dict[str, tuple[State, EngineReason]] = {}
-    stale, live = State.STALE, State.LIVE
-    R = EngineReason
-    # dead
-    for make in ("psm_{hex8}", "vllm_mm_" + "A" * 14 + "{hex8}", "nccl-{alnum6}", "cuda.shm.0.1a2b.{hex8}",
-                 "sglang_loads_t_{hex8}.shm"):
-        want[f(n.fresh(n.shm, make))] = (stale, R.UNUSED)
-    dead = kids.dead_pid()
-    for make in (f"sgl_shm_mm_{dead}_{{hex8}}", f"multi_tokenizer_args_{dead}"):
-        path = f(n.fresh(n.shm, make))
-        assert not os.path.exists(f"/proc/{dead}"), "PID reused at once; rerun"
-        want[path] = (stale, R.CREATOR_GONE)
-    want[s(n.fresh(n.tmp, "{uuid}"))] = (stale, R.NOT_LISTENING)
-    # live: mapped only, held only, a live creator, a listener
-    mapped = f(n.fresh(n.shm, "psm_{hex8}"))
-    mapper = kids.spawn(MAPPER, mapped)
-    assert not any(os.path.realpath(f"/proc/{mapper.pid}/fd/{x}") == os.path.realpath(mapped)
-                   for x in os.listdir(f"/proc/{mapper.pid}/fd")), "the mapper must not hold it open"
-    want[mapped] = (live, R.MAPPED)
-    held = f(n.fresh(n.shm, "nccl-{alnum6}"))
-    holder = kids.spawn(HOLDER, held)
-    with open(f"/proc/{holder.pid}/maps") as maps:
-        assert held not in maps.read(), "the holder must not map it"
-    want[held] = (live, R.HELD_OPEN)
-    want[kids_file(kids, f, n, "cuda.shm.0.1a2b.{hex8}", HOLDER)] = (live, R.HELD_OPEN)
-    want[kids_file(kids, f, n, "sglang_loads_t_{hex8}.shm", MAPPER)] = (live, R.MAPPED)
-    creator = kids.spawn(SLEEPER)
-    for make in (f"sgl_shm_mm_{creator.pid}_{{hex8}}", f"multi_tokenizer_args_{creator.pid}"):
-        want[f(n.fresh(n.shm, make))] = (live, R.CREATOR_ALIVE)  # backdated mtime; its ctime is now
-    listening = os.path.join(n.tmp, n.fresh(n.tmp, "{uuid}"))
-    n.planted.append(listening)
-    kids.spawn(LISTENER, listening)
-    backdate(listening, OLD)
-    want[listening] = (live, R.LISTENING)
-    # young (not a psm_ name: a concurrent suite's sweep of its own vLLM buffers, tests/conftest.py, removes
-    # unused psm_ files that appeared during it; dead, mapped and non-regular psm_ entries are safe from it)
-    want[f(n.fresh(n.shm, "vllm_mm_" + "B" * 14 + "{hex8}"), age=0)] = (State.YOUNG, R.YOUNG)
-    want[s(n.fresh(n.tmp, "{uuid}"), age=0)] = (State.YOUNG, R.YOUNG)
-    # foreign: a symlink (to a dead buffer's data under another name), a hard link, a FIFO, a directory
-    target = f(n.fresh(n.shm, "target-{hex8}"))
-    link = os.path.join(n.shm, n.fresh(n.shm, "psm_{hex8}"))
-    os.symlink(target, link)
-    n.planted.append(link)
-    want[link] = (State.FOREIGN, R.SYMLINK)
-    linked = f(n.fresh(n.shm, "nccl-{alnum6}"))
-    other_name = os.path.join(n.shm, n.fresh(n.shm, "hardlink-{hex8}"))
-    os.link(linked, other_name)
-    n.planted.append(other_name)
-    want[linked] = (State.FOREIGN, R.HARD_LINKED)
-    fifo = os.path.join(n.shm, n.fresh(n.shm, "psm_{hex8}"))
-    os.mkfifo(fifo)
-    n.planted.append(fifo)
-    backdate(fifo, OLD)
-    want[fifo] = (State.FOREIGN, R.WRONG_TYPE)
-    sock_target = s(n.fresh(n.tmp, "target-{hex8}.sock"))
-    tmp_link = os.path.join(n.tmp, n.fresh(n.tmp, "{uuid}"))
-    os.symlink(sock_target, tmp_link)
-    n.planted.append(tmp_link)
-    want[tmp_link] = (State.FOREIGN, R.SYMLINK)
-    directory = os.path.join(n.shm, n.fresh(n.shm, "nccl-{alnum6}"))
-    os.mkdir(directory)
-    n.planted.append(directory)
-    want[directory] = (State.FOREIGN, R.WRONG_TYPE)
-    # names that only look like a family's, dead and old: never looked at
-    extra = [f(n.fresh(n.shm, make)) for make in ("psm_{hex8}0", "nccl-{alnum6}x", "sgl_shm_mm_0_{hex8}",
-                                                  "cuda.shm.{hex8}", "multi_tokenizer_args_0")]
-    extra.append(s(n.fresh(n.tmp, "{uuid}.sock")))
-    extra.append(f(n.fresh(n.tmp, "{uuid}"), directory=n.tmp))  # a regular file named by a uuid4
-    extra += [target, other_name, sock_target]
-    return want, list(want) + extra
-
-
-def kids_file(kids: Children, f, n: Node, make: str, script: str) -> str:  # type: ignore[no-untyped-def]
-    path = f(n.fresh(n.shm, make))
-    kids.spawn(script, path)
-    return path
 
 
 @needs_whole_view

@@ -15,9 +15,12 @@ No vLLM import here: children stay cheap.
 
 from __future__ import annotations
 
+import mmap
 import os
+import secrets
 import signal
 import socket
+import string
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +45,10 @@ class Spec:
     # (stage, rank) of workers that bind only after READY
     late: tuple[tuple[int, int], ...] = ()
     segment: bool = True
+    # Engine buffers, as vLLM and NCCL make them: the engine creates this many psm_* files and maps them
+    # before it forks the workers (which so map them too, as the shm broadcast's readers do); each worker
+    # then creates and maps an nccl-* file of its own.
+    buffers: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -53,6 +60,7 @@ class Spec:
 
 
 SPEC: Spec | None = None
+_keep: list[mmap.mmap] = []  # the buffers a stand-in maps, for its whole life
 
 
 def _write_pid(spec: Spec, what: str, pid: int | None = None) -> None:
@@ -74,9 +82,22 @@ def read_pid(spec: Spec, what: str, timeout: float = 20.0) -> int:
     raise TimeoutError(f"stand-in {what} did not start")
 
 
+def map_buffer(directory: str, name: str, size: int = 1 << 16) -> mmap.mmap:
+    """Create `name` in `directory` and map it shared (what SharedMemory and ncclShmOpen do); the caller keeps it."""
+    fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
 def _worker(spec: Spec, stage: int, rank: int, detached: bool) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if spec.buffers:
+        alnum = string.ascii_letters + string.digits
+        _keep.append(map_buffer(spec.layout.shm_dir, "nccl-" + "".join(secrets.choice(alnum) for _ in range(6))))
     if detached:
         # Double fork: the worker's parent exits, so it leaves the engine's tree.
         if os.fork() != 0:
@@ -99,6 +120,8 @@ def engine_main(*_args: Any, **kwargs: Any) -> None:
             signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
         else:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for _ in range(spec.buffers):
+            _keep.append(map_buffer(spec.layout.shm_dir, f"psm_{secrets.token_hex(4)}"))
         for stage in range(spec.pp):
             for rank in range(spec.tp):
                 pid = os.fork()

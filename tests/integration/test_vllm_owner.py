@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import weakref
 from types import SimpleNamespace
 from typing import Any
@@ -34,10 +36,11 @@ from kvcached.node.layout import Layout  # noqa: E402
 from kvcached.runtime.ipc.listener import WorkerListener  # noqa: E402
 
 from .. import conftest  # noqa: E402
+from ..fs.engine_plant import MAPPER  # noqa: E402
 from ..waiting import wait_for  # noqa: E402
 from . import standins  # noqa: E402
 from .serves import gone  # noqa: E402
-from .standins import Spec, dead_node, read_pid  # noqa: E402
+from .standins import Spec, dead_node, map_buffer, read_pid  # noqa: E402
 from .vllm_fakes import ServeConfig  # noqa: E402
 
 both = conftest.both()
@@ -288,3 +291,44 @@ def test_repeated_shutdowns_keep_a_successors_directory(serve, layout, vllm_env,
         assert os.path.exists(successor.path)
     finally:
         successor.stop()
+
+
+# The engines' own buffers ---------------------------------------------------------------
+
+
+def _buffers(layout: Layout) -> set[str]:
+    return {n for n in os.listdir(layout.shm_dir) if n.startswith(("psm_", "nccl-"))}
+
+
+@both
+def test_the_serves_buffers_go_after_a_confirmed_exit_and_a_live_mapper_keeps_its(serve, layout, vllm_env,
+                                                                                  patched) -> None:
+    """psm_ buffers the engine and its workers map, and each worker's nccl- file: gone once the serve is.
+
+    One of them is still mapped by a process outside the serve (a debugger, a sidecar): that one stays.
+    A dead buffer made after READY was never captured: it stays too (kvctl gc --engines judges it).
+    """
+    s = serve(tp=2, buffers=2)
+    at_ready = _buffers(layout)
+    assert len([n for n in at_ready if n.startswith("psm_")]) == 2 and len(at_ready) == 4, at_ready
+    kept = sorted(n for n in at_ready if n.startswith("psm_"))[0]
+    outsider = subprocess.Popen([sys.executable, "-c", MAPPER, os.path.join(layout.shm_dir, kept)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert outsider.stdout is not None and outsider.stdout.readline().strip() == "ready"
+        late = map_buffer(layout.shm_dir, "psm_0a0b0c0d")  # after READY, then unmapped: dead, never captured
+        late.close()
+        s.group_sigterm()
+        s.client().shutdown(timeout=0)
+        wait_for(lambda: gone(s.engine) and all(gone(p) for p in s.workers.values()))
+        if patched:
+            wait_for(lambda: _buffers(layout) == {kept, "psm_0a0b0c0d"}, timeout=10,
+                     explain=lambda: (_buffers(layout), getattr(s.manager, OWNER_ATTR).results))
+            results = getattr(s.manager, OWNER_ATTR).results
+            assert any(os.path.join(layout.shm_dir, kept) == path and why.startswith("live: mapped")
+                       for r in results for path, why in r.kept), results
+        else:
+            assert _buffers(layout) == at_ready | {"psm_0a0b0c0d"}  # vLLM as installed leaks every one
+    finally:
+        outsider.kill()
+        outsider.wait()

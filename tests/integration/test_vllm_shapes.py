@@ -60,6 +60,21 @@ def start(layout, uniq) -> Any:
         s.kill()
 
 
+@pytest.fixture
+def start_env(layout, uniq) -> Any:
+    """Start a patched serve with more environment than SERVE_ENV."""
+    started: list[Serve] = []
+
+    def run(shape: Shape, env: dict[str, str]) -> Serve:
+        s = serves.start(shape, layout.root, uniq, True, {**SERVE_ENV, **env})
+        started.append(s)
+        return s
+
+    yield run
+    for s in started:
+        s.kill()
+
+
 def node_entries(layout: Layout) -> list[str]:
     """Everything under the node root's /tmp and /dev/shm but kvctl gc's lock (the serve writes nothing else there)."""
     return [n for n in sorted(os.listdir(layout.tmp_dir)) + sorted(os.listdir(layout.shm_dir)) if n != LOCK_NAME]
@@ -170,7 +185,11 @@ def test_spawned_worker(layout, uniq, start, patched) -> None:
     (engine,) = s.engines
     (worker,) = s.workers[engine]
     with open(f"/proc/{worker}/cmdline", "rb") as f:
-        assert b"multiprocessing.spawn" in f.read()  # a fresh interpreter, not a fork of the engine
+        cmdline = f.read()
+    # A fresh interpreter, not a fork of the engine. With setproctitle installed (a vLLM dependency,
+    # which scripts/install-sglang.sh brings in) vLLM retitles the worker, and the title replaces the
+    # spawn command line; then the title is all there is to see.
+    assert b"multiprocessing.spawn" in cmdline or cmdline.startswith(b"VLLM::Worker")
     if not patched:
         expect_nothing_made(layout)
         stop_like_vllm_serve(s)
@@ -274,3 +293,24 @@ def test_executor_removes_the_socket_of_a_worker_that_died(layout, uniq, start, 
     assert s.call("stop") == "stopped"
     assert s.wait_exit(30) == 0
     expect_nothing_left(layout, s)
+
+
+def test_a_starting_vllm_serve_sweeps_what_dead_serves_left(layout, uniq, start_env, deployments) -> None:
+    """The real engine start (UniProcExecutor's claim) sweeps the node in the background: the dead serve goes,
+    a live one (a harness serve of the same node) stays, and the new serve's own state is untouched."""
+    from kvcached.runtime.harness import start_deployment
+
+    from ..fs.helpers import dead_deployment, state_of
+
+    dead = dead_deployment(layout, f"{uniq}dead")
+    live = start_deployment(f"{uniq}live", 2, 1, layout=layout)  # the session's environment: its sweep is off
+    deployments.append(live)
+    s = start_env(Shape(owner="api", tp=1), {"KVCACHED_STARTUP_SWEEP": "1"})
+    deadline = time.monotonic() + 60
+    while any(os.path.lexists(p) for p in dead) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(os.path.lexists(p) for p in dead)
+    assert all(os.path.lexists(p) for p in state_of(live))
+    code, view = kvctl(layout, "inspect", "--json")
+    assert code == 0 and {d["name"]: d["state"] for d in view["deployments"]} == {uniq: "live", live.name: "live"}
+    stop_like_vllm_serve(s)

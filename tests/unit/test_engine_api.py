@@ -15,3 +15,43 @@ def test_vllm_rpc_base_path_is_rebased_under_the_root() -> None:
 def test_unset_empty_or_relative_means_only_tmp() -> None:
     for env in ({}, {"VLLM_RPC_BASE_PATH": ""}, {"VLLM_RPC_BASE_PATH": "rpc"}):
         assert rpc_dirs_from_env(Layout("/"), env) == []
+
+
+def test_the_package_names_each_export_once_and_imports_it_lazily() -> None:
+    import subprocess
+    import sys
+
+    from kvcached.node import engines
+
+    assert sorted(engines._HOME) == sorted(engines.__all__)
+    for name in engines.__all__:
+        assert getattr(engines, name) is not None
+    code = ("import sys, kvcached.node.engines.families\n"
+            "print(sorted(m for m in sys.modules if m.startswith('kvcached.node.engines')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['kvcached.node.engines', 'kvcached.node.engines.families']"
+
+
+def test_the_cheap_prefixes_cover_every_family_in_dev_shm() -> None:
+    """names.engine_leftover_count skips names without one of these prefixes: none of a family's may lack one."""
+    import re
+
+    from kvcached.node.engines.families import FAMILIES, Where
+    from kvcached.node.names import ENGINE_SHM_PREFIXES
+
+    shm = [f for f in FAMILIES if f.where is Where.SHM]
+    assert len(shm) == 9
+    for fam in shm:
+        raw = fam.pattern.pattern.removeprefix("(?P<group>")
+        m = re.match(r"(?:[A-Za-z0-9_-]|\\\.)+", raw)
+        assert m is not None, fam.pattern
+        literal = m.group(0).replace("\\.", ".")
+        assert literal.startswith(ENGINE_SHM_PREFIXES), (literal, fam.pattern)
+
+
+def test_gc_kind_choices_are_kvcacheds_kinds_and_the_engine_kinds() -> None:
+    from kvcached.node.enums import EngineKind, Kind
+    from kvctl.commands.gc import NODE_KIND, KindChoice
+
+    assert [c.value for c in KindChoice] == [m.value for m in (*Kind, *EngineKind)]
+    assert all(NODE_KIND[c].value == c.value for c in KindChoice)

@@ -13,7 +13,7 @@ Modules, in the order a run uses them:
   NCCL, CUDA IPC: live while a process maps it or holds it open), a creator
   PID in the name as well (SGLang), or a bound socket (vLLM's ZMQ IPC). A name
   that matches no family is never looked at again. The kinds (`EngineKind`)
-  and engines (`Engine`) live here until the node layer's enums take them.
+  and engines (`Engine`) are the node layer's enums (kvcached/node/enums.py).
 - `scan`: one listing of /dev/shm and of each RPC directory (/tmp, or
   VLLM_RPC_BASE_PATH) through directory fds, never following a link; one
   `EngineCandidate` per matching name, with its identity, file handle, owner,
@@ -54,15 +54,46 @@ A run that wants both passes one Facts to both plans: one /proc pass.
 
 from __future__ import annotations
 
-from .act import EngineEntry, EnginePlan, EngineReport, execute_engines, plan_engines, rpc_dirs_from_env
-from .decide import EngineDecision, EngineReason, decide_engine, settle_groups
-from .evidence import EngineEvidence, gather_engine_evidence
-from .families import FAMILIES, Engine, EngineKind, Evidence, Family, match_name
-from .scan import EngineCandidate, EngineScan, scan_engine_state
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .act import (
+        EngineEntry,
+        EnginePlan,
+        EngineReport,
+        execute_engines,
+        plan_engines,
+        preview_engines,
+        rpc_dirs_from_env,
+    )
+    from .decide import EngineDecision, EngineReason, decide_engine, settle_groups
+    from .evidence import EngineEvidence, gather_engine_evidence
+    from .families import FAMILIES, Engine, EngineKind, Evidence, Family, match_name
+    from .scan import EngineCandidate, EngineScan, scan_engine_state
+
+# Each name's module, imported on first use: plain gc's hint (names.engine_leftover_count) imports the
+# name patterns alone, not the scan, evidence and act modules (a test holds _HOME and __all__ together).
+_HOME = {
+    "EngineEntry": "act", "EnginePlan": "act", "EngineReport": "act", "execute_engines": "act",
+    "plan_engines": "act", "rpc_dirs_from_env": "act", "preview_engines": "act",
+    "EngineDecision": "decide", "EngineReason": "decide", "decide_engine": "decide", "settle_groups": "decide",
+    "EngineEvidence": "evidence", "gather_engine_evidence": "evidence",
+    "FAMILIES": "families", "Engine": "families", "EngineKind": "families", "Evidence": "families",
+    "Family": "families", "match_name": "families",
+    "EngineCandidate": "scan", "EngineScan": "scan", "scan_engine_state": "scan",
+}
 
 __all__ = [
     "FAMILIES", "Engine", "EngineCandidate", "EngineDecision", "EngineEntry", "EngineEvidence", "EngineKind",
     "EnginePlan", "EngineReason", "EngineReport", "EngineScan", "Evidence", "Family", "decide_engine",
-    "execute_engines", "gather_engine_evidence", "match_name", "plan_engines", "rpc_dirs_from_env",
+    "execute_engines", "gather_engine_evidence", "match_name", "plan_engines", "preview_engines", "rpc_dirs_from_env",
     "scan_engine_state", "settle_groups",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{home}"), name)

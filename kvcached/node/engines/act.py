@@ -21,6 +21,7 @@ from ..decide import Policy, State
 from ..facts import Facts, gather_facts
 from ..ident import Unlinked, fd_handle, same_file, unlink_if_same
 from ..layout import Layout
+from ..names import rpc_dirs
 from .decide import EngineDecision, decide_engine, settle_groups
 from .evidence import gather_engine_evidence
 from .families import Engine, EngineKind, Where
@@ -31,10 +32,7 @@ ENV_RPC_BASE = "VLLM_RPC_BASE_PATH"
 
 def rpc_dirs_from_env(layout: Layout, environ: dict[str, str] | None = None) -> list[str]:
     """vLLM's RPC directory from VLLM_RPC_BASE_PATH (as vLLM reads it), re-based under the layout's root."""
-    value = (os.environ if environ is None else environ).get(ENV_RPC_BASE, "")
-    if not value or not os.path.isabs(value):
-        return []
-    return [os.path.normpath(os.path.join(layout.root, value.lstrip("/")))]
+    return list(rpc_dirs(layout.root, environ))
 
 
 class EngineEntry(NamedTuple):
@@ -56,6 +54,10 @@ class EngineEntry(NamedTuple):
     @property
     def state(self) -> State:
         return self.decision.state
+
+    @property
+    def path(self) -> str:
+        return self.candidate.path
 
     @property
     def bytes(self) -> int:
@@ -167,6 +169,12 @@ def plan_engines(layout: Layout, policy: Policy | None = None, *, facts: Facts |
               if (not kind_set or c.kind in kind_set) and (not name_set or c.name in name_set)]
     return EnginePlan(layout, facts, policy, t, chosen, decisions, found.errors + facts.errors,
                       len(found.candidates))
+
+
+def preview_engines(p: EnginePlan) -> list[EngineEntry]:
+    """What gc would do with each planned entry (would_remove when stale, else kept), touching nothing: inspect's."""
+    return [EngineEntry(c, d, Action.WOULD_REMOVE if d.state is State.STALE else Action.KEPT)
+            for c, d in p.entries()]
 
 
 class _Actor:

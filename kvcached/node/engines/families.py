@@ -12,24 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..enums import StrEnum
-
-
-class EngineKind(StrEnum):
-    """The `kind` of an engine entry (kept here until the node layer's enums take them)."""
-
-    VLLM_SHM = "vllm-shm"
-    VLLM_IPC = "vllm-ipc"
-    SGLANG_SHM = "sglang-shm"
-    NCCL_SHM = "nccl-shm"
-    CUDA_SHM = "cuda-shm"
-
-
-class Engine(StrEnum):
-    VLLM = "vllm"
-    SGLANG = "sglang"
-    NCCL = "nccl"
-    CUDA = "cuda"
+from ..enums import Engine, EngineKind, StrEnum
 
 
 class Where(StrEnum):

@@ -1,0 +1,55 @@
+"""Fixtures for the tests of SGLang's own classes: the install is checked, SGLang's side effects kept out of pytest."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+SGLANG_SKIP = "SGLang 0.5.23 is not installed here (run scripts/install-sglang.sh in this venv)"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without SGLang these tests skip, with the reason; where it must be there (CI), they fail instead."""
+    if importlib.util.find_spec("sglang") is not None:
+        return
+    if os.environ.get("KVCACHED_REQUIRE_SGLANG") == "1":
+        raise pytest.UsageError(f"KVCACHED_REQUIRE_SGLANG=1 but {SGLANG_SKIP}")
+    here = os.path.dirname(__file__)
+    for item in items:
+        if str(item.fspath).startswith(here):
+            item.add_marker(pytest.mark.skip(reason=SGLANG_SKIP))
+
+
+@pytest.fixture(scope="session")
+def sgl_scratch() -> Iterator[str]:
+    """SGLang's cache directory for this session's children (SGLANG_CACHE_DIR), removed at the end."""
+    path = tempfile.mkdtemp(prefix="kvtest-sglang-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def sgl(sgl_scratch) -> Iterator[None]:
+    """SGLang's pool, allocator and radix-cache modules imported into this process, its import side effects undone.
+
+    `import sglang` setdefaults cache variables in os.environ (TRITON_CACHE_DIR,
+    TORCHINDUCTOR_CACHE_DIR, CUDA_CACHE_PATH, ...): they are put back, so that
+    the later tests' children see the environment they would have seen.
+    """
+    before = dict(os.environ)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGQUIT, signal.SIGINT)}
+    os.environ["SGLANG_CACHE_DIR"] = sgl_scratch
+    import sglang.srt.mem_cache.allocator  # noqa: F401
+    import sglang.srt.mem_cache.memory_pool  # noqa: F401
+    import sglang.srt.mem_cache.radix_cache  # noqa: F401
+
+    os.environ.clear()
+    os.environ.update(before)
+    assert {s: signal.getsignal(s) for s in handlers} == handlers, "importing SGLang changed a signal handler"
+    yield

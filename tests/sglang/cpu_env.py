@@ -1,0 +1,78 @@
+"""How the SGLang tests run SGLang: its real modules, in real child processes, on this CPU machine.
+
+SGLang changes the process that imports it (it sets cache variables in
+os.environ, patches transformers, forces the multiprocessing start method to
+spawn, installs SIGQUIT handlers), so anything that launches or signals runs
+in a child interpreter of its own, as SGLang's main process would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Mapping
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SHIM = REPO / "scripts" / "torchvision_cpu_ops.py"
+INSTALL_SCRIPT = REPO / "scripts" / "install-sglang.sh"
+VLLM_SCRIPT = REPO / "scripts" / "install-vllm.sh"
+
+
+def child_env(scratch: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of an SGLang child: this repository importable (tests.sglang), SGLang's caches in `scratch`."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["SGLANG_CACHE_DIR"] = scratch
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("SGLANG_PLUGINS", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def run_python(code: str, scratch: str, *, extra: Mapping[str, str] | None = None,
+               timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
+    """Run `code` in a fresh interpreter with the SGLang child environment; never raises on its exit status."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=child_env(scratch, extra),
+                          capture_output=True, text=True, timeout=timeout, cwd=scratch)
+
+
+def last_json(proc: subprocess.CompletedProcess[str]) -> dict:
+    """The last line of the child's stdout that is a JSON object (its report); fails with its output otherwise."""
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"no report from the child (rc {proc.returncode}):\n"
+                         f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def shell_array(script: Path, name: str) -> list[str]:
+    """The words of bash array `name=( ... )` in `script`: the tests check what the install script names."""
+    text = script.read_text()
+    match = re.search(rf"^{name}=\((.*?)^\)", text, re.S | re.M)
+    assert match, f"{name}=( ... ) not found in {script}"
+    return [w.strip('"') for line in match.group(1).splitlines() for w in line.split("#")[0].split()]
+
+
+def shell_pins(script: Path) -> dict[str, str]:
+    """The `name==version` lines of the PINS='...' block of an install script, by normalised name."""
+    text = script.read_text()
+    block = re.search(r"^PINS='(.*?)^'", text, re.S | re.M)
+    assert block, f"PINS block not found in {script}"
+    pins = {}
+    for line in block.group(1).split():
+        name, version = line.split("==")
+        pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return pins
+
+
+def shell_value(script: Path, name: str) -> str:
+    """The value of `name=...` in `script`."""
+    match = re.search(rf"^{name}=(\S+)$", script.read_text(), re.M)
+    assert match, f"{name}= not found in {script}"
+    return match.group(1)

@@ -1,0 +1,194 @@
+"""SGLang 0.5.23's plugin mechanism: entry points, the SGLANG_PLUGINS allow-list, HookRegistry, a plugin that raises.
+
+A real distribution (a .dist-info with an entry_points.txt) on the child's
+path registers two plugins in the `sglang.srt.plugins` group, as pip would;
+each case runs `load_plugins()` in a fresh interpreter, because SGLang's hooks
+cannot be taken back once applied.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.sglang.cpu_env import last_json, run_python
+
+pytestmark = pytest.mark.sglang
+
+PLUGIN = '''
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+CALLS = []
+
+
+def around_kill(original, *args, **kwargs):
+    CALLS.append(("kill_process_tree", args))
+    return None  # stands in for the real thing: nothing is killed
+
+
+def after_alloc(result, self, need_size):
+    CALLS.append(("alloc", need_size))
+
+
+def around_launch(original, cls, *args, **kwargs):
+    CALLS.append(("launch", cls.__name__))
+    return original(cls, *args, **kwargs)
+
+
+def register():
+    HookRegistry.register("sglang.srt.utils.common.kill_process_tree", around_kill, HookType.AROUND)
+    HookRegistry.register("sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.alloc", after_alloc,
+                          HookType.AFTER)
+    HookRegistry.register("sglang.srt.entrypoints.engine.Engine._launch_scheduler_processes", around_launch,
+                          HookType.AROUND)
+
+
+def raises():
+    HookRegistry.register("sglang.srt.utils.common.get_bool_env_var", lambda name, default="false": None,
+                          HookType.BEFORE)
+    raise RuntimeError("kvtest plugin fails on purpose")
+'''
+
+CHILD = '''
+import json, logging, sys
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+logging.getLogger("sglang.srt.plugins").addHandler(Keep())
+logging.getLogger("sglang.srt.plugins").setLevel(logging.INFO)
+
+import sglang.srt.entrypoints.engine as engine  # holds `from sglang.srt.utils import kill_process_tree`
+import sglang.srt.utils as utils
+import sglang.srt.utils.common as common
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+original_kill = common.kill_process_tree  # a module-level alias, as any module could hold
+KEEP = {"kill": common.kill_process_tree}  # held inside a container: out of HookRegistry's reach
+load_plugins()
+load_plugins()  # a second call does nothing
+
+executed = sorted(m.split(": ")[1] for m in records if m.startswith("Executed general plugin"))
+failed = sorted(m.rsplit(" ", 1)[1] for m in records if m.startswith("Failed to execute general plugin"))
+skipped = sorted(m.split(" ")[2] for m in records if m.startswith("Skipping plugin"))
+load_failed = sorted(m.split(" ")[4] for m in records if m.startswith("Failed to load plugin"))
+report = {"executed": executed, "failed": failed, "skipped": skipped, "load_failed": load_failed,
+          "patched": sorted(HookRegistry._patched)}
+if "kvtest_hooks" in executed:
+    import kvtestplug
+    import torch
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    engine.kill_process_tree(12345, include_parent=False)
+    TokenToKVPoolAllocator(8, dtype=torch.float16, device="cpu", kvcache=None, need_sort=False).alloc(3)
+    raw = engine.Engine.__dict__["_launch_scheduler_processes"]
+    report.update(
+        calls=[list(c[:1]) + [list(c[1]) if isinstance(c[1], tuple) else c[1]] for c in kvtestplug.CALLS],
+        rebound=[mod.kill_process_tree is common.kill_process_tree for mod in (engine, utils)],
+        wrapped_original=common.kill_process_tree.__wrapped__ is KEEP["kill"],
+        alias_rebound=original_kill is common.kill_process_tree,
+        name=common.kill_process_tree.__name__,
+        classmethod_kept=isinstance(raw, classmethod),
+    )
+print(json.dumps(report))
+'''
+
+
+@pytest.fixture
+def plugin_path(tmp_path) -> str:
+    """A directory holding an installed-looking distribution `kvtestplug` with two sglang.srt.plugins entry points."""
+    (tmp_path / "kvtestplug.py").write_text(PLUGIN)
+    info = tmp_path / "kvtestplug-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvtestplug\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(textwrap.dedent("""\
+        [sglang.srt.plugins]
+        kvtest_hooks = kvtestplug:register
+        kvtest_raises = kvtestplug:raises
+    """))
+    return str(tmp_path)
+
+
+def _load(sgl_scratch: str, plugin_path: str, allow: str | None = None) -> dict:
+    from tests.sglang.cpu_env import child_env
+
+    extra = {"PYTHONPATH": plugin_path + ":" + child_env(sgl_scratch)["PYTHONPATH"]}
+    if allow is not None:
+        extra["SGLANG_PLUGINS"] = allow
+    return last_json(run_python(CHILD, sgl_scratch, extra=extra))
+
+
+def test_every_plugin_of_the_group_runs_and_its_hooks_reach_stale_from_imports(sgl_scratch, plugin_path) -> None:
+    """Without SGLANG_PLUGINS both run; the hooks apply, also to `from ... import` bindings made before them.
+
+    The rebinding walks every module in sys.modules: a module-level alias of
+    the original (a patch kit's saved "original", say) is rewritten to the
+    wrapper too; only a reference inside a container keeps the original.
+    """
+    report = _load(sgl_scratch, plugin_path)
+    assert report["executed"] == ["kvtest_hooks"]
+    assert report["failed"] == ["kvtest_raises"]
+    assert report["calls"] == [["kill_process_tree", [12345]], ["alloc", 3]]
+    assert report["rebound"] == [True, True]
+    assert report["wrapped_original"] is True and report["name"] == "kill_process_tree"
+    # Every module-level name bound to the original is rebound, __main__'s own alias included.
+    assert report["alias_rebound"] is True
+    assert report["classmethod_kept"] is True
+
+
+def test_a_plugin_that_raises_is_logged_and_the_hooks_it_registered_still_apply(sgl_scratch, plugin_path) -> None:
+    """The exception is logged ("Failed to execute general plugin") and start-up goes on; what it registered stays."""
+    report = _load(sgl_scratch, plugin_path, allow="kvtest_raises")
+    assert report["executed"] == [] and report["failed"] == ["kvtest_raises"]
+    assert report["patched"] == ["sglang.srt.utils.common.get_bool_env_var"]
+
+
+ALLOW_LISTS = '''
+import json, logging, os
+import sglang.srt.plugins as plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+logging.getLogger("sglang.srt.plugins").addHandler(Keep())
+logging.getLogger("sglang.srt.plugins").setLevel(logging.INFO)
+out = {}
+for allow in CASES:
+    os.environ["SGLANG_PLUGINS"] = allow
+    records.clear()
+    plugins._plugins_loaded = False  # SGLang's once-per-process guard, reset between cases
+    HookRegistry.reset()
+    plugins.load_plugins()
+    out[allow] = {
+        "executed": sorted(m.split(": ")[1] for m in records if m.startswith("Executed general plugin")),
+        "skipped": sorted(m.split(" ")[2] for m in records if m.startswith("Skipping plugin")),
+    }
+print(json.dumps(out))
+'''
+
+
+def test_sglang_plugins_is_a_comma_separated_allow_list_of_entry_point_names(sgl_scratch, plugin_path) -> None:
+    """Names are stripped; empty means no list (all run); only commas allow nothing. Read at each load."""
+    cases = {
+        "kvtest_hooks": {"executed": ["kvtest_hooks"], "skipped": ["kvtest_raises"]},
+        " kvtest_raises , other ": {"executed": [], "skipped": ["kvtest_hooks"]},
+        "": {"executed": ["kvtest_hooks"], "skipped": []},
+        ",": {"executed": [], "skipped": ["kvtest_hooks", "kvtest_raises"]},
+    }
+    from tests.sglang.cpu_env import child_env
+
+    extra = {"PYTHONPATH": plugin_path + ":" + child_env(sgl_scratch)["PYTHONPATH"]}
+    proc = run_python(ALLOW_LISTS.replace("CASES", repr(list(cases))), sgl_scratch, extra=extra)
+    assert last_json(proc) == cases
+
+
+def test_a_plugin_whose_module_fails_to_import_is_logged_and_skipped(sgl_scratch, plugin_path) -> None:
+    """ep.load() raising is logged ("Failed to load plugin ...") per entry point; nothing runs, start-up goes on."""
+    (Path(plugin_path) / "kvtestplug.py").write_text("raise ImportError('broken on purpose')\n")
+    report = _load(sgl_scratch, plugin_path)
+    assert report["load_failed"] == ["kvtest_hooks", "kvtest_raises"]
+    assert report["executed"] == [] and report["patched"] == []

@@ -1,0 +1,114 @@
+"""SGLang 0.5.23's main-process signal paths: SubprocessWatchdog and SignalHandler, with real children and signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from tests.sglang.cpu_env import child_env, last_json, run_python
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.sglang
+
+WATCHDOG = '''
+import json, multiprocessing as mp, os, signal, sys, time
+from sglang.srt.utils.watchdog import SubprocessWatchdog
+
+got = []
+signal.signal(signal.SIGQUIT, lambda signum, frame: got.append(signum))
+ctx = mp.get_context("spawn")
+procs = [ctx.Process(target=time.sleep, args=(0.3,))]
+if sys.argv[1] == "crash":
+    procs.append(ctx.Process(target=os._exit, args=(3,)))
+for p in procs:
+    p.start()
+watchdog = SubprocessWatchdog(procs, [f"child{i}" for i in range(len(procs))], interval=0.1)
+watchdog.start()
+for p in procs:
+    p.join()
+deadline = time.monotonic() + 3
+while not got and time.monotonic() < deadline:
+    time.sleep(0.05)
+watchdog.stop()
+print(json.dumps({"sigquit": got, "exitcodes": [p.exitcode for p in procs]}))
+'''
+
+
+@pytest.mark.parametrize(("mode", "sigquit", "exitcodes"), [
+    ("clean", [], [0]),
+    ("crash", [signal.SIGQUIT], [0, 3]),
+])
+def test_subprocess_watchdog_sigquits_its_own_process_when_a_child_exits_nonzero(sgl_scratch, mode, sigquit,
+                                                                                 exitcodes) -> None:
+    """A child that exits 0 is fine; one that exits otherwise makes the watchdog SIGQUIT the process it runs in."""
+    proc = run_python(WATCHDOG.replace("sys.argv[1]", repr(mode)), sgl_scratch)
+    assert last_json(proc) == {"sigquit": sigquit, "exitcodes": exitcodes}
+
+
+SIGNAL_HANDLER = '''
+import json, multiprocessing as mp, signal, sys, time
+from sglang.srt.managers.tokenizer_manager import SignalHandler
+from sglang.srt.utils.watchdog import SubprocessWatchdog
+
+
+class TokenizerManagerStandIn:
+    """What SignalHandler reads and calls on its TokenizerManager, and nothing else (a real one needs a tokenizer)."""
+
+    gracefully_exit = False
+
+    def __init__(self, watchdog):
+        self._subprocess_watchdog = watchdog
+
+    def dump_requests_before_crash(self):
+        print(json.dumps({"dumped": True, "watchdog_stopped": self._subprocess_watchdog._thread is None}), flush=True)
+
+
+child = mp.get_context("spawn").Process(target=time.sleep, args=(600,))
+child.start()
+watchdog = SubprocessWatchdog([child], ["child"], interval=0.2)
+watchdog.start()
+tm = TokenizerManagerStandIn(watchdog)
+handler = SignalHandler(tm)
+signal.signal(signal.SIGTERM, handler.sigterm_handler)
+signal.signal(signal.SIGQUIT, handler.running_phase_sigquit_handler)
+print(json.dumps({"child": child.pid}), flush=True)
+while not tm.gracefully_exit:
+    time.sleep(0.05)
+print(json.dumps({"gracefully_exit": True}), flush=True)
+while True:
+    time.sleep(1)
+'''
+
+
+def test_signal_handler_sigterm_only_asks_to_drain_and_sigquit_kills_the_tree_and_main(sgl_scratch) -> None:
+    """SIGTERM sets gracefully_exit, nothing else; SIGQUIT stops the watchdog, dumps, SIGKILLs children and main."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SIGNAL_HANDLER)], env=child_env(sgl_scratch),
+                            cwd=sgl_scratch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith("{"), first or proc.stderr.read()[-3000:]
+        child = json.loads(first)["child"]
+        os.kill(proc.pid, signal.SIGTERM)
+        assert json.loads(proc.stdout.readline()) == {"gracefully_exit": True}
+        assert proc.poll() is None and psutil.pid_exists(child)
+        os.kill(proc.pid, signal.SIGQUIT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        assert json.loads(out.splitlines()[0]) == {"dumped": True, "watchdog_stopped": True}
+        wait_for(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE,
+                 timeout=20)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
