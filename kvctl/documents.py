@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvcached.node.cleanup import Report
-    from kvcached.node.report import Entry
     from kvcached.node.diagnostics import CheckResult
     from kvcached.node.engines import EngineEntry, EngineReport
     from kvcached.node.gcrun import GcResult
+    from kvcached.node.report import Entry
     from kvcached.node.segment import SegmentInfo
     from kvcached.node.view import DeploymentView, NodeView
 
@@ -50,7 +50,7 @@ def limit_document(name: str, path: str, before: SegmentInfo, after: SegmentInfo
     return {"schema": "kvctl.limit/1", "name": name, "path": path, "previous": before.total, **after.to_dict()}
 
 
-class EntryRows(list):  # type: ignore[type-arg]  # list[dict[str, Any]]
+class EntryRows(list):  # list[dict[str, Any]]: the rows of Entry.to_dict
     """A report's entries as the schema has them (one dict each, `Entry.to_dict`), and as JSON text, fast.
 
     A gc over a full node reports every entry (11,000 for 1,000 dead

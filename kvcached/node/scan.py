@@ -115,10 +115,10 @@ def socket_candidate(path: str, name: str, deployment: str, st: os.stat_result, 
     scan share); tests/fs/test_scan.py checks that both build the same value.
     """
     mode = st.st_mode
-    return _new_tuple(Candidate, (Kind.SOCKET, path, name, deployment, _FILE_TYPES.get(stat.S_IFMT(mode), FileType.OTHER),
-                                  (st.st_dev, st.st_ino), st.st_uid, stat.S_IMODE(mode), st.st_nlink, st.st_size,
-                                  st.st_mtime, rank, stage, handle, True, parent_uid, False, (), (), lease, bind,
-                                  bind_errno, False))
+    ftype = _FILE_TYPES.get(stat.S_IFMT(mode), FileType.OTHER)
+    return _new_tuple(Candidate, (Kind.SOCKET, path, name, deployment, ftype, (st.st_dev, st.st_ino), st.st_uid,
+                                  stat.S_IMODE(mode), st.st_nlink, st.st_size, st.st_mtime, rank, stage, handle,
+                                  True, parent_uid, False, (), (), lease, bind, bind_errno, False))
 
 
 class _Observer:
