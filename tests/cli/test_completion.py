@@ -108,10 +108,13 @@ def test_bash_completes_commands_options_choices_and_checks() -> None:
     assert "limit-percent" in bash("kvctl ")
     assert bash("kvctl gc --d") == ["--dry-run"]
     assert bash("kvctl gc --dry-run --d") == []  # an option given once is not offered again
-    assert bash("kvctl gc --kind ") == ["segment", "socket", "directory"]
+    # kvcached's kinds, then the engines' (the engine pass's), in their enums' order
+    assert bash("kvctl gc --kind ") == ["segment", "socket", "directory", "vllm-shm", "vllm-ipc", "sglang-shm",
+                                        "nccl-shm", "cuda-shm"]
+    assert bash("kvctl gc --kind n") == ["nccl-shm"]
     assert bash("kvctl gc --kind=so") == ["socket"]
     assert bash("kvctl doctor sh") == ["shm"]
-    assert bash("kvctl doctor e") == ["extension", "environment", "engine"]
+    assert bash("kvctl doctor e") == ["extension", "engine-leftovers", "environment", "engine"]
     assert bash("kvctl --v") == ["--verbose", "--version"]
     assert "--root" not in bash("kvctl gc --r")  # after the command, --root is accepted, not offered
     assert bash("kvtop --c", prog="kvtop") == ["--count"]

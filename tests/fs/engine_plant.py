@@ -249,7 +249,7 @@ def plant_matrix(n: Node, kids: Children, old: float = OLD) -> tuple[dict[str, t
     want[directory] = (State.FOREIGN, R.WRONG_TYPE)
     # names that only look like a family's, dead and old: never looked at
     extra = [f(n.fresh(n.shm, make)) for make in ("psm_{hex8}0", "nccl-{alnum6}x", "sgl_shm_mm_0_{hex8}",
-                                                  "cuda.shm.{hex8}", "multi_tokenizer_args_0")]
+                                                  "cuda.shm.{hex8}", "multi_tokenizer_args_0{hex8}")]
     extra.append(s(n.fresh(n.tmp, "{uuid}.sock")))
     extra.append(f(n.fresh(n.tmp, "{uuid}"), directory=n.tmp))  # a regular file named by a uuid4
     extra += [target, other_name, sock_target]
