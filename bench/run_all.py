@@ -7,8 +7,9 @@ another's measurement.
 
 1. bench_cli_start.py  kvctl's start-up: `kvctl gc --dry-run` vs `python -c "import typer"`,
                        one TAB completion vs `python -c pass` (paired runs, one ratio each)
-2. bench_gc.py         gc dry run vs a bare lstat+connect+stat loop (1,000 and 2,000
-                       deployments), the /proc fact pass vs `ss -xap`, owner cleanup
+2. bench_gc.py         kvctl gc --dry-run --json vs a bare lstat+connect+stat loop (1,000 and
+                       2,000 deployments), where gc's time goes, each safety check's cost,
+                       gc --yes vs a bare removal loop, the /proc fact pass vs `ss -xap`, owner cleanup
 3. bench_pages.py      extension map+unmap vs a bare mmap/munmap loop; pool alloc/free
 4. bench_elastic.py    vLLM's Scheduler step over kvcached's elastic pool vs over vLLM's own
                        (bench/elastic_step.py), the pools' cost per block, and the memory

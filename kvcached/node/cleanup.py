@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import fcntl
 import fnmatch
+import gc
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .decide import Decision, Policy, State, decide_tree, settle
 from .enums import Action
 from .facts import Facts, gather_facts
-from .ident import Unlinked, fd_handle, same_file, unlink_if_same
+from .ident import Unlinked, fd_handle, handle_reader, same_file, unlink_if_same
 from .layout import Layout
 from .lease import ofd_lock
 from .report import Entry, Report
@@ -47,10 +49,34 @@ def _matches(c: Candidate, globs: Sequence[str]) -> bool:
     return not globs or (c.deployment is not None and any(fnmatch.fnmatchcase(c.deployment, g) for g in globs))
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for one pass over the node, if it was running.
+
+    A pass makes a few objects per entry and no reference cycles; with the
+    collector running, each collection walks everything made so far, which was
+    a tenth of a gc over a full node (bench/bench_gc.py). Reference counting
+    still frees everything as usual.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def plan(layout: Layout, policy: Policy | None = None, *, facts: Facts | None = None,
          names: Iterable[str] = (), globs: Sequence[str] = (), kinds: Iterable[Kind] = (),
          now: float | None = None, proc_root: str = "/proc") -> Plan:
     """Scan, gather facts, observe and decide: no side effects (every test it makes is passive)."""
+    with collector_paused():
+        return _plan(layout, policy, facts, names, globs, kinds, now, proc_root)
+
+
+def _plan(layout: Layout, policy: Policy | None, facts: Facts | None, names: Iterable[str], globs: Sequence[str],
+          kinds: Iterable[Kind], now: float | None, proc_root: str) -> Plan:
     policy = policy or Policy()
     facts = facts if facts is not None else gather_facts(proc_root)
     extra = set(names) | {p.ipc_name for p in facts.processes.values() if p.ipc_name}
@@ -81,6 +107,29 @@ class _Actor:
         self.entries: list[Entry] = []
         self.timed_out = False
         self.progress = progress
+        self.handle_of = handle_reader()
+        # /tmp and /dev/shm, each opened once per run (an fd, or why it could not be opened):
+        # every entry is still identified through the fd before it is removed.
+        self._tops: dict[str, int | OSError] = {}
+
+    def top(self, path: str) -> int:
+        """The run's fd of a top directory (the layout's /tmp or /dev/shm); raises OSError as its open did."""
+        got = self._tops.get(path)
+        if got is None:
+            try:
+                got = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as e:
+                got = e
+            self._tops[path] = got
+        if isinstance(got, OSError):
+            raise OSError(got.errno, got.strerror, path)
+        return got
+
+    def close(self) -> None:
+        for got in self._tops.values():
+            if not isinstance(got, OSError):
+                os.close(got)
+        self._tops.clear()
 
     def out_of_time(self) -> bool:
         if self.deadline is not None and time.monotonic() > self.deadline:
@@ -104,7 +153,8 @@ class _Actor:
             self.record(c, d, Action.KEPT, "time limit reached")
             return False
         try:
-            done = unlink_if_same(dir_fd, c.name, c.ident, c.handle, rmdir=rmdir, dry_run=self.dry_run)
+            done = unlink_if_same(dir_fd, c.name, c.ident, c.handle, rmdir=rmdir, dry_run=self.dry_run,
+                                  handle_of=self.handle_of)
         except OSError as e:
             self.record(c, d, Action.FAILED, f"{'rmdir' if rmdir else 'unlink'}: {e.strerror}")
             return False
@@ -119,41 +169,39 @@ class _Actor:
                     "already gone" if done is Unlinked.GONE else "")
         return True
 
-    def act_segment(self, shm_dir: str, c: Candidate, d: Decision) -> None:
+    def act_segment(self, shm_dir: str, c: Candidate, d: Decision) -> bool:
+        """Remove one stale segment under its exclusive lease and flock; True when it is (or would be) gone."""
         try:
-            dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            dir_fd = self.top(shm_dir)
         except OSError as e:
             self.record(c, d, Action.FAILED, f"{shm_dir}: {e.strerror}")
-            return
-        fd = -1
+            return False
         try:
-            try:
-                fd = os.open(c.name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-            except FileNotFoundError:
-                self.record(c, d, Action.REMOVED, "already gone")
-                return
-            except OSError as e:
-                self.record(c, d, Action.FAILED, f"open: {e.strerror}")
-                return
+            fd = os.open(c.name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError:
+            self.record(c, d, Action.REMOVED, "already gone")
+            return True
+        except OSError as e:
+            self.record(c, d, Action.FAILED, f"open: {e.strerror}")
+            return False
+        try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != c.ident or not same_file(c.handle, fd_handle(fd)):
                 self.record(c, d, Action.KEPT, "replaced since the scan")
-                return
+                return False
             # The exclusive lease proves no engine of ours took it since the scan;
             # the flock proves no upstream reader or writer is inside it right now.
             if not ofd_lock(fd, fcntl.F_WRLCK):
                 self.record(c, d, Action.KEPT, "a process took its lease since the scan")
-                return
+                return False
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 self.record(c, d, Action.KEPT, "in use since the scan")
-                return
-            self.remove(dir_fd, c, d)
+                return False
+            return self.remove(dir_fd, c, d)
         finally:
-            if fd >= 0:
-                os.close(fd)
-            os.close(dir_fd)
+            os.close(fd)
 
     def act_dir(self, parent_fd: int, c: Candidate, decisions: dict[str, Decision], locked: bool,
                 keep_note: str = "") -> bool:
@@ -165,8 +213,7 @@ class _Actor:
         d = decisions[c.path]
         # Any stale entry below, not only a direct child: a dead worker's node in a
         # stage directory that a live peer still serves from must go too.
-        if d.state is not State.STALE and not any(
-                decisions[x.path].state is State.STALE for x in c.walk() if x is not c):
+        if d.state is not State.STALE and not _stale_below(c, decisions):
             self.keep_all(c, decisions)
             return False
         try:
@@ -220,15 +267,20 @@ class _Actor:
 
     def act_root_dir(self, tmp_dir: str, c: Candidate, decisions: dict[str, Decision], keep_note: str = "") -> None:
         try:
-            tmp_fd = os.open(tmp_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            tmp_fd = self.top(tmp_dir)
         except OSError as e:
             for sub in c.walk():
                 self.record(sub, decisions[sub.path], Action.FAILED, f"{tmp_dir}: {e.strerror}")
             return
-        try:
-            self.act_dir(tmp_fd, c, decisions, locked=False, keep_note=keep_note)
-        finally:
-            os.close(tmp_fd)
+        self.act_dir(tmp_fd, c, decisions, locked=False, keep_note=keep_note)
+
+
+def _stale_below(c: Candidate, decisions: dict[str, Decision]) -> bool:
+    """Whether any entry below `c` (not `c` itself) is stale."""
+    for ch in c.children:
+        if decisions[ch.path].state is State.STALE or (ch.children and _stale_below(ch, decisions)):
+            return True
+    return False
 
 
 def execute(
@@ -246,26 +298,33 @@ def execute(
     deadline = time.monotonic() + time_limit if time_limit else None
     actor = _Actor(dry_run, deadline, progress)
     gone: set[str] = set()
-    for c in p.roots:
-        if c.kind is not Kind.SEGMENT:
-            continue
-        d = p.decisions[c.path]
-        if d.state is State.STALE:
-            actor.act_segment(p.layout.shm_dir, c, d)
-            if actor.entries[-1].action in (Action.REMOVED, Action.WOULD_REMOVE):
-                gone.add(c.path)
-        else:
-            actor.record(c, d, Action.KEPT)
-    for c in p.roots:
-        if c.kind is Kind.SEGMENT:
-            continue
-        seg = p.segments.get(c.deployment) if c.deployment is not None else None
-        note = ""
-        if seg is not None and seg.path not in gone and p.decisions[seg.path].state is State.STALE:
-            note = f"kept: it names segment {seg.path}, which remains"
-        actor.act_root_dir(p.layout.tmp_dir, c, p.decisions, note)
+    shm_dir, tmp_dir = p.layout.shm_dir, p.layout.tmp_dir  # properties that normalise a path: once per run
+    with collector_paused():
+        _act(p, actor, gone, shm_dir, tmp_dir)
     return Report(dry_run=dry_run, entries=actor.entries, errors=list(p.errors), started=started,
                   finished=time.time(), timed_out=actor.timed_out)
+
+
+def _act(p: Plan, actor: _Actor, gone: set[str], shm_dir: str, tmp_dir: str) -> None:
+    try:
+        for c in p.roots:
+            if c.kind is not Kind.SEGMENT:
+                continue
+            d = p.decisions[c.path]
+            if d.state is not State.STALE:
+                actor.record(c, d, Action.KEPT)
+            elif actor.act_segment(shm_dir, c, d):
+                gone.add(c.path)
+        for c in p.roots:
+            if c.kind is Kind.SEGMENT:
+                continue
+            seg = p.segments.get(c.deployment) if c.deployment is not None else None
+            note = ""
+            if seg is not None and seg.path not in gone and p.decisions[seg.path].state is State.STALE:
+                note = f"kept: it names segment {seg.path}, which remains"
+            actor.act_root_dir(tmp_dir, c, p.decisions, note)
+    finally:
+        actor.close()
 
 
 def run_cleanup(

@@ -193,9 +193,8 @@ def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
     if kind is Kind.SOCKET:
         # A socket node stands on its own evidence: one that no socket is bound to
         # can never serve again, whichever processes of its deployment are alive.
-        serving = facts.serving_pids(c.ident)
-        if serving or c.ident in facts.listeners:
-            return _d(State.LIVE, Reason.LISTENING, "a listener is bound to this file", serving)
+        if c.ident in facts.listeners:
+            return _d(State.LIVE, Reason.LISTENING, "a listener is bound to this file", facts.serving_pids(c.ident))
         if c.bind is Bind.BOUND:
             return _BOUND
         if c.bind is None:

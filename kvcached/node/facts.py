@@ -235,8 +235,11 @@ class Facts:
 
     def serving_pids(self, ident: tuple[int, int]) -> tuple[int, ...]:
         """PIDs holding a listening socket bound to the file `ident`."""
+        inodes = self.listeners.get(ident)
+        if not inodes:
+            return ()  # most nodes a gc judges: nobody listens (asked for every socket of a full node)
         pids: set[int] = set()
-        for ino in self.listeners.get(ident, ()):
+        for ino in inodes:
             pids |= self.socket_holders.get(ino, set())
         return tuple(sorted(pids))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import threading
 from collections.abc import Callable
 from enum import Enum
@@ -81,6 +82,39 @@ def fd_handle(fd: int) -> bytes | None:
     return None if fn is None else _handle(fn, fd, b"", AT_EMPTY_PATH)
 
 
+HandleOf = Callable[[str, int], "bytes | None"]
+
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
+
+
+def handle_reader() -> HandleOf:
+    """`file_handle` for one thread's loop over many names: the same syscall and answer, bound once.
+
+    A gc takes two handles per node (at the scan, and again before the act):
+    binding the call, this thread's buffer and the encoding once saves the
+    lookups file_handle repeats per call (bench/bench_gc.py prints the split).
+    Only for the thread that made it: the buffer is that thread's.
+    """
+    fn = _load()
+    if fn is None:
+        return _no_handle
+    buf, mount_id = _buffers()
+    size = _api["ctypes"].c_uint32.from_buffer(buf)  # struct file_handle's handle_bytes, in place
+
+    def handle_of(name: str, dir_fd: int) -> bytes | None:
+        size.value = MAX_HANDLE_SZ
+        # Without AT_SYMLINK_FOLLOW, name_to_handle_at does not follow a final symlink.
+        if fn(dir_fd, name.encode(_FS_ENCODING, _FS_ERRORS), buf, mount_id, 0) != 0:
+            return None
+        return buf[4:_HEADER + size.value]  # handle_type and the opaque bytes, as file_handle returns them
+
+    return handle_of
+
+
+def _no_handle(name: str, dir_fd: int) -> bytes | None:
+    return None
+
+
 def same_file(a: bytes | None, b: bytes | None) -> bool:
     """Handles agree, or one side could not be taken (then (st_dev, st_ino) alone decides)."""
     return a is None or b is None or a == b
@@ -97,19 +131,20 @@ class Unlinked(Enum):
 
 
 def unlink_if_same(dir_fd: int, name: str, ident: tuple[int, int], handle: bytes | None, *,
-                   rmdir: bool = False, dry_run: bool = False) -> Unlinked:
+                   rmdir: bool = False, dry_run: bool = False, handle_of: HandleOf = file_handle) -> Unlinked:
     """Remove `name` in `dir_fd` only while it is still the file we decided on.
 
     unlink(2) has no inode guard: a successor may have re-created the name
     since it was judged, so (st_dev, st_ino) and the file handle are checked
     again, through the same directory fd, right before the removal. Other
-    errors (EACCES, EBUSY) are raised as OSError.
+    errors (EACCES, EBUSY) are raised as OSError. `handle_of` takes the
+    handle (a loop passes its `handle_reader()`).
     """
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return Unlinked.GONE
-    if (st.st_dev, st.st_ino) != ident or not same_file(handle, file_handle(name, dir_fd)):
+    if (st.st_dev, st.st_ino) != ident or not same_file(handle, handle_of(name, dir_fd)):
         return Unlinked.REPLACED
     if dry_run:
         return Unlinked.WOULD

@@ -65,10 +65,16 @@ def _flock_struct(kind: int) -> bytes:
     return struct.pack(_FLOCK_FMT, kind, os.SEEK_SET, LEASE_OFFSET, LEASE_LEN, 0)
 
 
+# The three lease requests, packed once: a gc tests or takes one per segment.
+_LEASE_REQUEST = {kind: _flock_struct(kind) for kind in (fcntl.F_RDLCK, fcntl.F_WRLCK, fcntl.F_UNLCK)}
+_CONFLICT_TEST = _LEASE_REQUEST[fcntl.F_WRLCK]
+_TYPE = struct.Struct("@h")
+
+
 def ofd_lock(fd: int, kind: int) -> bool:
     """Take an OFD lock of `kind` (F_RDLCK/F_WRLCK/F_UNLCK) on the lease byte; False if held elsewhere."""
     try:
-        fcntl.fcntl(fd, F_OFD_SETLK, _flock_struct(kind))
+        fcntl.fcntl(fd, F_OFD_SETLK, _LEASE_REQUEST.get(kind) or _flock_struct(kind))
     except OSError as e:
         if e.errno in (errno.EAGAIN, errno.EACCES):
             return False
@@ -78,8 +84,8 @@ def ofd_lock(fd: int, kind: int) -> bool:
 
 def ofd_conflict(fd: int) -> bool:
     """True when some other open file description holds a lease on this file (F_OFD_GETLK, no side effect)."""
-    res = fcntl.fcntl(fd, F_OFD_GETLK, _flock_struct(fcntl.F_WRLCK))
-    return struct.unpack(_FLOCK_FMT, res)[0] != fcntl.F_UNLCK
+    res = fcntl.fcntl(fd, F_OFD_GETLK, _CONFLICT_TEST)
+    return _TYPE.unpack_from(res)[0] != fcntl.F_UNLCK  # l_type, the struct's first field
 
 
 def segment_lease_held(path: str) -> bool | None:

@@ -44,12 +44,13 @@ class Entry(NamedTuple):
 
     def to_dict(self) -> dict[str, object]:
         c, d = self.candidate, self.decision
+        # _value_, not str(): str() of a member goes through Python-level enum code, five times an entry.
         return {
-            "kind": str(c.kind), "path": c.path, "deployment": c.deployment,
-            "state": str(d.state), "action": str(self.action), "reason": str(d.reason),
+            "kind": c.kind._value_, "path": c.path, "deployment": c.deployment,
+            "state": d.state._value_, "action": self.action._value_, "reason": d.reason._value_,
             "detail": d.detail + (f"; {self.note}" if self.note else ""),
             "pids": list(d.pids), "rank": c.rank, "stage": c.stage,
-            "uid": c.uid, "mtime": c.mtime, "type": str(c.ftype),
+            "uid": c.uid, "mtime": c.mtime, "type": c.ftype._value_,
         }
 
 

@@ -18,11 +18,11 @@ from typing import Any, NamedTuple
 from . import naming
 from .enums import Kind, StrEnum
 from .facts import Facts
-from .ident import file_handle
+from .ident import handle_reader
 from .layout import Layout
 from .lease import ofd_conflict
 from .segment import SEGMENT_SIZE, has_mark, peek_limit
-from .sockdiag import Bind, bound
+from .sockdiag import Bind, BindProbe
 
 
 class FileType(StrEnum):
@@ -102,22 +102,47 @@ def candidate_from_stat(kind: Kind, path: str, name: str, st: os.stat_result, *,
                      mtime=st.st_mtime, **kw)  # type: ignore[arg-type]
 
 
+_new_tuple = tuple.__new__
+
+
+def socket_candidate(path: str, name: str, deployment: str, st: os.stat_result, rank: int, stage: int,
+                     handle: bytes | None, parent_uid: int, lease: bool | None, bind: Bind | None,
+                     bind_errno: str | None) -> Candidate:
+    """The candidate of one socket node in a socket directory: what `candidate_from_stat` builds, positionally.
+
+    A full node has eight of these per deployment, and building a 23-field
+    NamedTuple by keyword cost 3-4x building it from a tuple (bench/bench_gc.py's
+    scan share); tests/fs/test_scan.py checks that both build the same value.
+    """
+    mode = st.st_mode
+    ftype = _FILE_TYPES.get(stat.S_IFMT(mode), FileType.OTHER)
+    return _new_tuple(Candidate, (Kind.SOCKET, path, name, deployment, ftype, (st.st_dev, st.st_ino), st.st_uid,
+                                  stat.S_IMODE(mode), st.st_nlink, st.st_size, st.st_mtime, rank, stage, handle,
+                                  True, parent_uid, False, (), (), lease, bind, bind_errno, False))
+
+
 class _Observer:
-    """Signals that need a syscall, taken while the scan builds each candidate (no second pass)."""
+    """Signals that need a syscall, taken while the scan builds each candidate (no second pass).
+
+    It also holds what the scan's loop reuses: one file-handle reader and one
+    bind-test socket (ident.handle_reader, sockdiag.BindProbe).
+    """
 
     def __init__(self, facts: Facts | None) -> None:
         self.facts = facts
+        self.handle_of = handle_reader()
+        self.probe = BindProbe()
 
     def dir_lease(self, ident: tuple[int, int], inherited: bool) -> bool | None:
         if self.facts is None:
             return None
         return inherited or ident in self.facts.locks
 
-    def socket(self, path: str, dir_fd: int, st: os.stat_result) -> tuple[Bind | None, str | None]:
+    def socket(self, dir_fd: int, name: str, st: os.stat_result) -> tuple[Bind | None, str | None]:
         f = self.facts
         if f is None or not stat.S_ISSOCK(st.st_mode) or (st.st_dev, st.st_ino) in f.listeners:
             return None, None
-        return bound(path, dir_fd)
+        return self.probe.test(dir_fd, name)
 
 
 def _scan_socket_dir(parent_fd: int, parent_st: os.stat_result, name: str, path: str,
@@ -129,7 +154,7 @@ def _scan_socket_dir(parent_fd: int, parent_st: os.stat_result, name: str, path:
         deployment=deployment,
         hash_ok=hash_ok,
         stage=stage,
-        handle=file_handle(name, parent_fd),
+        handle=obs.handle_of(name, parent_fd),
         parent_uid=parent_st.st_uid if stage is not None else None,
         cross_mount=st.st_dev != parent_st.st_dev,
         lease=lease,
@@ -148,39 +173,25 @@ def _scan_socket_dir(parent_fd: int, parent_st: os.stat_result, name: str, path:
             return candidate_from_stat(Kind.DIRECTORY, path, name, st, **common)
         children: list[Candidate] = []
         extras: list[str] = []
+        handle_of, parent_uid, node_stage = obs.handle_of, fst.st_uid, stage or 0
         for entry in sorted(os.listdir(fd)):
-            # path never ends in "/", and entry is one component: no os.path.join (a
-            # socket directory's loop is the hot path of a gc over a full node).
-            child_path = f"{path}/{entry}"
             try:
                 cst = os.stat(entry, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
             rank = naming.parse_socket_name(entry)
             if rank is not None:
-                test, terr = (None, None) if lease else obs.socket(child_path, fd, cst)
-                children.append(
-                    candidate_from_stat(
-                        Kind.SOCKET,
-                        child_path,
-                        entry,
-                        cst,
-                        deployment=deployment,
-                        rank=rank,
-                        stage=stage or 0,
-                        parent_uid=fst.st_uid,
-                        handle=file_handle(entry, fd),
-                        lease=True if lease else None,
-                        bind=test,
-                        bind_errno=terr,
-                    )
-                )
+                test, terr = (None, None) if lease else obs.socket(fd, entry, cst)
+                # path never ends in "/", and entry is one component: no os.path.join (a
+                # socket directory's loop is the hot path of a gc over a full node).
+                children.append(socket_candidate(f"{path}/{entry}", entry, deployment, cst, rank, node_stage,
+                                                 handle_of(entry, fd), parent_uid, True if lease else None,
+                                                 test, terr))
                 continue
             sub_stage = naming.parse_stage_name(entry) if stage is None else None
             if sub_stage is not None:
-                children.append(
-                    _scan_socket_dir(fd, fst, entry, child_path, deployment, True, sub_stage, errors, obs, bool(lease))
-                )
+                children.append(_scan_socket_dir(fd, fst, entry, f"{path}/{entry}", deployment, True, sub_stage,
+                                                 errors, obs, bool(lease)))
             else:
                 extras.append(entry)
         return candidate_from_stat(
@@ -203,45 +214,47 @@ def scan(layout: Layout, names: Iterable[str] = (), facts: Facts | None = None) 
     obs = _Observer(facts)
     wanted = {n for n in names if naming.is_valid_name(n)}
     try:
+        _scan_tmp(layout, result, obs, wanted)
+        _scan_shm(layout, result, obs, wanted)
+    finally:
+        obs.probe.close()
+    return result
+
+
+def _scan_tmp(layout: Layout, result: ScanResult, obs: _Observer, wanted: set[str]) -> None:
+    try:
         tmp_fd = _open_dir(layout.tmp_dir)
     except OSError as e:
         if e.errno != errno.ENOENT:
             result.errors.append(f"{layout.tmp_dir}: {e.strerror}")
-        tmp_fd = -1
-    if tmp_fd >= 0:
-        try:
-            tmp_st = os.fstat(tmp_fd)
-            for entry in sorted(os.listdir(tmp_fd)):
-                parsed = naming.parse_socket_dir_name(entry)
-                if parsed is None:
-                    continue
-                dep, hash_ok = parsed
-                try:
-                    result.candidates.append(
-                        _scan_socket_dir(
-                            tmp_fd,
-                            tmp_st,
-                            entry,
-                            os.path.join(layout.tmp_dir, entry),
-                            dep,
-                            hash_ok,
-                            None,
-                            result.errors,
-                            obs,
-                        )
-                    )
-                except FileNotFoundError:
-                    continue
-                if hash_ok:
-                    wanted.add(dep)
-        finally:
-            os.close(tmp_fd)
+        return
+    tmp_dir = layout.tmp_dir  # a property that normalises a path: once, not per entry
+    try:
+        tmp_st = os.fstat(tmp_fd)
+        for entry in sorted(os.listdir(tmp_fd)):
+            parsed = naming.parse_socket_dir_name(entry)
+            if parsed is None:
+                continue
+            dep, hash_ok = parsed
+            try:
+                result.candidates.append(_scan_socket_dir(tmp_fd, tmp_st, entry, os.path.join(tmp_dir, entry),
+                                                          dep, hash_ok, None, result.errors, obs))
+            except FileNotFoundError:
+                continue
+            if hash_ok:
+                wanted.add(dep)
+    finally:
+        os.close(tmp_fd)
+
+
+def _scan_shm(layout: Layout, result: ScanResult, obs: _Observer, wanted: set[str]) -> None:
     try:
         shm_fd = _open_dir(layout.shm_dir)
     except OSError as e:
         if e.errno != errno.ENOENT:
             result.errors.append(f"{layout.shm_dir}: {e.strerror}")
-        return result
+        return
+    shm_dir = layout.shm_dir
     try:
         for entry in sorted(os.listdir(shm_fd)):
             named = entry in wanted or naming.DEFAULT_NAME_RE.match(entry) is not None
@@ -262,33 +275,28 @@ def scan(layout: Layout, names: Iterable[str] = (), facts: Facts | None = None) 
                     if limit is None or limit <= 0:
                         continue
                     by_shape = True
-            c = candidate_from_stat(
-                Kind.SEGMENT,
-                os.path.join(layout.shm_dir, entry),
-                entry,
-                st,
-                deployment=entry,
-                handle=file_handle(entry, shm_fd),
-                by_shape=by_shape,
-            )
-            if facts is not None and c.ftype is FileType.REGULAR and c.nlink == 1:
-                c = c._replace(lease=_segment_lease(c, facts))
-            result.candidates.append(c)
+            handle = obs.handle_of(entry, shm_fd)
+            lease = None
+            if obs.facts is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                lease = _segment_lease(shm_fd, entry, (st.st_dev, st.st_ino), obs.facts)
+            result.candidates.append(candidate_from_stat(Kind.SEGMENT, os.path.join(shm_dir, entry), entry,
+                                                         st, deployment=entry, handle=handle, by_shape=by_shape,
+                                                         lease=lease))
     finally:
         os.close(shm_fd)
-    return result
 
 
-def _segment_lease(c: Candidate, facts: Facts) -> bool | None:
-    if c.ident in facts.locks:
+def _segment_lease(shm_fd: int, name: str, ident: tuple[int, int], facts: Facts) -> bool | None:
+    if ident in facts.locks:
         return True  # an OFD lease, or upstream's flock held right now: someone is using it
     try:
-        fd = os.open(c.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        # Through the directory fd the scan listed: the file it just saw, not whatever a path resolves to now.
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=shm_fd)
     except OSError:
         return None
     try:
         st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != c.ident:
+        if (st.st_dev, st.st_ino) != ident:
             return None
         return ofd_conflict(fd)
     except OSError:

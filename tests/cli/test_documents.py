@@ -100,3 +100,30 @@ def test_no_other_module_builds_a_document() -> None:
                     text = open(path, encoding="utf-8").read()
                     offenders += [f"{path}: {m}" for m in re.findall(r"[\"']kvctl\.[a-z]+/[0-9]+[\"']", text)]
     assert offenders == []
+
+
+def test_entry_rows_write_what_json_dumps_writes(node, uniq: str) -> None:
+    """documents.EntryRows' own encoder against json.dumps over Entry.to_dict, entry for entry."""
+    import json
+
+    from kvcached.node.report import Entry
+
+    layout, name = node
+    os.mkdir(os.path.join(layout.tmp_dir, f"kvcached-tp-{uniq}é-00000000"))  # a path json must escape
+    report = run_gc(GcOptions(layout=layout, grace=0.0, dry_run=True)).report
+    entries = list(report.entries)
+    assert len({e.decision.state for e in entries}) > 1
+    # The same decision with and without a note, and a float json spells its own way.
+    e0 = entries[0]
+    entries += [e0._replace(note="kept: a note"), Entry(e0.candidate._replace(mtime=float("nan")), e0.decision,
+                                                           e0.action, "")]
+    rows = documents.EntryRows(entries)
+    plain = [e.to_dict() for e in entries]
+    assert list(rows) == plain  # the same NaN object on both sides: equal as list items
+    assert rows.json() == json.dumps(plain, separators=(",", ":"))
+    rows += [{"kind": "vllm_rpc", "path": "/tmp/x", "pids": []}]  # what gc --engines appends
+    plain += [{"kind": "vllm_rpc", "path": "/tmp/x", "pids": []}]
+    assert isinstance(rows, documents.EntryRows) and rows.json() == json.dumps(plain, separators=(",", ":"))
+    doc = {"a": 1, "entries": rows, "nested": {"gc": {"entries": rows}}, "x": [1.5, None]}
+    plain_doc = {"a": 1, "entries": plain, "nested": {"gc": {"entries": plain}}, "x": [1.5, None]}
+    assert documents.json_text(doc) == json.dumps(plain_doc, separators=(",", ":"))
