@@ -34,8 +34,11 @@ FORBIDDEN = ("torch", "vllm", "sglang", "numpy", "wrapt", "kvcached.runtime", "k
 ALLOWED_IN_FUNCTIONS = {
     ("kvctl", "torch"): "kvctl limit-percent reads one device's memory through torch, imported when it runs",
 }
-# Modules of kvcached.integration that import vLLM when imported (docs/VLLM.md says so, and why).
-ENGINE_SIDE = {"kvcached.integration.vllm.blockpool"}
+# Modules of kvcached.integration that import their engine when imported (docs/VLLM.md and docs/SGLANG.md say
+# so, and why): subclasses of the engine's classes.
+ENGINE_SIDE = {"kvcached.integration.vllm.blockpool": "vllm",
+               "kvcached.integration.sglang.elastic_alloc": "sglang",
+               "kvcached.integration.sglang.elastic_pool": "sglang"}
 
 
 def modules(package) -> list[str]:  # type: ignore[no-untyped-def]
@@ -124,13 +127,13 @@ def test_imports_nothing_of_the_runtime(module: str) -> None:
 def test_integration_modules_import_no_engine(module: str) -> None:
     loaded = imported_by(module, ("vllm", "torch", "sglang"))
     if module in ENGINE_SIDE:
-        assert "vllm" in loaded  # it is engine-side indeed: keep the list short and true
+        assert ENGINE_SIDE[module] in loaded  # it is engine-side indeed: keep the list short and true
     else:
         assert loaded == []
 
 
 def test_the_engine_side_modules_are_the_documented_ones() -> None:
-    """docs/VLLM.md names them on one line: `Engine-side modules (they import vLLM when imported): ...`."""
-    line = next(ln for ln in (REPO / "docs/VLLM.md").read_text().splitlines()
-                if ln.startswith("Engine-side modules"))
-    assert set(re.findall(r"`(kvcached\.[\w.]+)`", line)) == ENGINE_SIDE
+    """docs/VLLM.md and docs/SGLANG.md name them on one line each: `Engine-side modules (...): ...`."""
+    for doc, engine in (("docs/VLLM.md", "vllm"), ("docs/SGLANG.md", "sglang")):
+        line = next(ln for ln in (REPO / doc).read_text().splitlines() if ln.startswith("Engine-side modules"))
+        assert set(re.findall(r"`(kvcached\.[\w.]+)`", line)) == {m for m, e in ENGINE_SIDE.items() if e == engine}
