@@ -583,22 +583,36 @@ def vllm_results(section: EngineSection, kvctl: str = "kvctl") -> list[CheckResu
     g = Group.ENGINE
     if section.error:
         return _r("vllm", g, Status.WARN, f"could not inspect the installed vLLM: {section.error}")
-    plugin = section.plugin
-    enable = "export ENABLE_KVCACHED=true (kvcached's vLLM plugin applies its patches in every vLLM process)"
+    # vLLM splits its allow-list on commas and keeps any spaces (vllm/envs.py).
+    out, enable = _plugin_lines(
+        section, "vllm", "vLLM", settings.VLLM_PLUGINS.name,
+        "export ENABLE_KVCACHED=true (kvcached's vLLM plugin applies its patches in every vLLM process)",
+        lambda text: [n for n in text.split(",") if n])
+    return out + _patch_and_condition_lines(section, "vllm", "vLLM", enable, kvctl)
+
+
+def _plugin_lines(section: EngineSection, engine: str, label: str, var: str, enable: str,
+                  listed: Callable[[str], list[str]]) -> tuple[list[CheckResult], str]:
+    """A section's `<engine>` line and, where the allow-list `var` leaves kvcached out, its `<engine>-plugins` line.
+
+    Also returns the fix the section's later lines name: `enable`, or how to
+    add kvcached to the allow-list, whose names `listed` reads as the engine does.
+    """
+    g, plugin = Group.ENGINE, section.plugin
     if not plugin.allowed:
-        names = [n for n in (plugin.allow_list or "").split(",") if n]
+        names = listed(plugin.allow_list or "")
         enable = (f"export {plugin.allow_list_var}={','.join(names + ['kvcached'])} (or unset "
-                  f"{plugin.allow_list_var}): vLLM loads only the plugins it lists")
-    state = ("enabled, but inactive: VLLM_PLUGINS excludes it" if plugin.enabled and not plugin.allowed
+                  f"{plugin.allow_list_var}): {label} loads only the plugins it lists")
+    state = (f"enabled, but inactive: {var} excludes it" if plugin.enabled and not plugin.allowed
              else "enabled" if plugin.enabled else "not enabled in this environment")
-    out = _r("vllm", g, Status.OK if plugin.active else Status.WARN,
-             f"vLLM {section.version or '?'} installed; kvcached integration {state}",
+    out = _r(engine, g, Status.OK if plugin.active else Status.WARN,
+             f"{label} {section.version or '?'} installed; kvcached integration {state}",
              None if plugin.active else enable, detect=section.to_dict())
     if not plugin.allowed:
-        out += _r("vllm-plugins", g, Status.WARN,
-                  f"VLLM_PLUGINS={plugin.allow_list!r} does not list kvcached: "
-                  "vLLM never loads kvcached's plugin, so its patches are inactive", enable)
-    return out + _patch_and_condition_lines(section, "vllm", "vLLM", enable, kvctl)
+        out += _r(f"{engine}-plugins", g, Status.WARN,
+                  f"{var}={plugin.allow_list!r} does not list kvcached: "
+                  f"{label} never loads kvcached's plugin, so its patches are inactive", enable)
+    return out, enable
 
 
 def _patch_and_condition_lines(section: EngineSection, engine: str, label: str, enable: str,
@@ -663,21 +677,11 @@ def sglang_results(section: EngineSection, kvctl: str = "kvctl") -> list[CheckRe
     g = Group.ENGINE
     if section.error:
         return _r("sglang", g, Status.WARN, f"could not inspect the installed SGLang: {section.error}")
-    plugin = section.plugin
-    enable = "export KVCACHED_ENABLE=1 (kvcached's SGLang plugin applies its patches in every SGLang process)"
-    if not plugin.allowed:
-        names = [n.strip() for n in (plugin.allow_list or "").split(",") if n.strip()]
-        enable = (f"export {plugin.allow_list_var}={','.join(names + ['kvcached'])} (or unset "
-                  f"{plugin.allow_list_var}): SGLang loads only the plugins it lists")
-    state = ("enabled, but inactive: SGLANG_PLUGINS excludes it" if plugin.enabled and not plugin.allowed
-             else "enabled" if plugin.enabled else "not enabled in this environment")
-    out = _r("sglang", g, Status.OK if plugin.active else Status.WARN,
-             f"SGLang {section.version or '?'} installed; kvcached integration {state}",
-             None if plugin.active else enable, detect=section.to_dict())
-    if not plugin.allowed:
-        out += _r("sglang-plugins", g, Status.WARN,
-                  f"SGLANG_PLUGINS={plugin.allow_list!r} does not list kvcached: "
-                  "SGLang never loads kvcached's plugin, so its patches are inactive", enable)
+    # SGLang strips each name of its allow-list (sglang/srt/plugins/__init__.py).
+    out, enable = _plugin_lines(
+        section, "sglang", "SGLang", settings.SGLANG_PLUGINS.name,
+        "export KVCACHED_ENABLE=1 (kvcached's SGLang plugin applies its patches in every SGLang process)",
+        lambda text: [n.strip() for n in text.split(",") if n.strip()])
     return out + _patch_and_condition_lines(section, "sglang", "SGLang", enable, kvctl) + _sglang_shapes(section, kvctl)
 
 

@@ -138,13 +138,8 @@ class Facts:
             return self.mapped_files
         out: dict[tuple[int, int], list[int]] = {}
         for pid in self.processes:
-            try:
-                raw = _read(f"{self.proc_root}/{pid}/maps")
-            except PermissionError:
-                self.unreadable_pids[pid] = self.unreadable_pids.get(pid, frozenset()) | {"maps"}
+            if (raw := self._read_maps(pid)) is None:
                 continue
-            except OSError:
-                continue  # exited since the pass
             for ident in _shm_maps(raw):
                 out.setdefault(ident, []).append(pid)
         self.mapped_files = out
@@ -165,13 +160,8 @@ class Facts:
         plain: dict[tuple[int, int], list[int]] | None = {} if self.mapped_files is None else None
         out: dict[tuple[int, int], list[int]] = {}
         for pid in self.processes:
-            try:
-                raw = _read(f"{self.proc_root}/{pid}/maps")
-            except PermissionError:
-                self.unreadable_pids[pid] = self.unreadable_pids.get(pid, frozenset()) | {"maps"}
+            if (raw := self._read_maps(pid)) is None:
                 continue
-            except OSError:
-                continue  # exited since the pass
             if plain is not None:
                 for ident in _shm_maps(raw):
                     plain.setdefault(ident, []).append(pid)
@@ -182,6 +172,21 @@ class Facts:
         self._device_maps[key] = out
         self._blind = None
         return out
+
+    def _read_maps(self, pid: int) -> bytes | None:
+        """/proc/<pid>/maps, or None where it cannot be read.
+
+        EACCES/EPERM makes the process a blind spot (it may map a candidate we
+        cannot see); any other error means it exited since the pass, which
+        hides nothing.
+        """
+        try:
+            return _read(f"{self.proc_root}/{pid}/maps")
+        except PermissionError:
+            self.unreadable_pids[pid] = self.unreadable_pids.get(pid, frozenset()) | {"maps"}
+        except OSError:
+            pass
+        return None
 
     def fd_users(self, names: Collection[str]) -> dict[tuple[int, int], list[int]]:
         """Files named in `names` that processes hold open where the main pass did not look (not under /dev/shm/).

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import pty
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -29,21 +29,6 @@ from .conftest import KVCTL, Run, assert_one_line_error, invoke, kvctl
 
 MONTH = 30 * 86400.0
 AGE = ("--min-age", "29d")
-
-
-@pytest.fixture
-def children() -> Iterator[Children]:
-    kids = Children()
-    yield kids
-    kids.close()
-
-
-@pytest.fixture(params=["private", "real"])
-def engine_node(request: pytest.FixtureRequest, layout: Layout) -> Iterator[Node]:
-    """A private root, or the machine's own /dev/shm and /tmp (this test's names only, removed after)."""
-    n = Node(layout if request.param == "private" else Layout("/"))
-    yield n
-    n.cleanup()
 
 
 @pytest.fixture(params=["cli-runner", "subprocess"])

@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,6 +141,22 @@ class Node:
                 os.rmdir(path)
             else:
                 os.unlink(path)
+
+
+@pytest.fixture
+def children() -> Iterator[Children]:
+    """The test's child processes, killed and reaped at teardown."""
+    kids = Children()
+    yield kids
+    kids.close()
+
+
+@pytest.fixture(params=["private", "real"])
+def engine_node(request: pytest.FixtureRequest, layout: Layout) -> Iterator[Node]:
+    """A private root, or the machine's own /dev/shm and /tmp (this test's names only, removed after)."""
+    n = Node(layout if request.param == "private" else Layout("/"))
+    yield n
+    n.cleanup()
 
 
 def backdate(path: str, seconds: float) -> None:

@@ -13,7 +13,6 @@ import shutil
 import struct
 import subprocess
 import time
-from collections.abc import Iterator
 
 import jsonschema
 import pytest
@@ -43,25 +42,10 @@ from .engine_plant import READY_THEN_WAIT as _READY_THEN_WAIT
 from .helpers import live_socket, run_as
 
 
-@pytest.fixture
-def children() -> Iterator[Children]:
-    kids = Children()
-    yield kids
-    kids.close()
-
-
-@pytest.fixture(params=["private", "real"])
-def node(request: pytest.FixtureRequest, layout: Layout) -> Iterator[Node]:
-    """A private root, or the machine's own /dev/shm and /tmp (names unique to the test, removed after)."""
-    n = Node(layout if request.param == "private" else Layout("/"))
-    yield n
-    n.cleanup()
-
-
 @needs_whole_view
-def test_the_engine_plan_removes_exactly_the_dead_ones(node: Node, children: Children) -> None:
-    want, planted = plant_matrix(node, children)
-    p = engine_plan(node, planted)
+def test_the_engine_plan_removes_exactly_the_dead_ones(engine_node: Node, children: Children) -> None:
+    want, planted = plant_matrix(engine_node, children)
+    p = engine_plan(engine_node, planted)
     assert by_path(p) == want
     dead = {path for path, (state, _) in want.items() if state is State.STALE}
     dry = execute_engines(p, dry_run=True)
@@ -69,7 +53,7 @@ def test_the_engine_plan_removes_exactly_the_dead_ones(node: Node, children: Chi
     assert all(os.path.lexists(x) for x in planted)
     for e in dry.entries:
         jsonschema.validate(e.to_dict(), SCHEMA)
-    assert_plain_gc_ignores(node, planted)
+    assert_plain_gc_ignores(engine_node, planted)
     report = execute_engines(p, dry_run=False)
     assert {e.candidate.path for e in report.entries if e.action is Action.REMOVED} == dead
     assert not report.failures
@@ -78,23 +62,23 @@ def test_the_engine_plan_removes_exactly_the_dead_ones(node: Node, children: Chi
         jsonschema.validate(e.to_dict(), SCHEMA)
     assert report.count(action=Action.REMOVED) == len(dead)
     assert report.bytes(action=Action.REMOVED) == sum(e.bytes for e in report.entries if e.candidate.path in dead)
-    again = engine_plan(node, planted)
+    again = engine_plan(engine_node, planted)
     assert {c.path for c, _ in again.entries()} == set(want) - dead
 
 
 @needs_whole_view
-def test_a_pid_reused_by_a_later_process_is_no_creator(node: Node, children: Children) -> None:
+def test_a_pid_reused_by_a_later_process_is_no_creator(engine_node: Node, children: Children) -> None:
     """The file's PID now belongs to a process that started after the file last changed (its ctime)."""
     if os.geteuid() != 0 or not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
         pytest.skip("choosing the next PID (/proc/sys/kernel/ns_last_pid) needs root in the initial PID namespace")
     pid = children.dead_pid()
-    path = node.file(node.fresh(node.shm, f"sgl_shm_reuse_{pid}_{{hex8}}"))
+    path = engine_node.file(engine_node.fresh(engine_node.shm, f"sgl_shm_reuse_{pid}_{{hex8}}"))
     # /proc's start times come from a whole-second boot time, up to a second early: wait past the slack
     # twice, so that a process started now is seen to start after the file's ctime.
     time.sleep(2 * START_SLACK + 0.3)
     later = _spawn_at(children, pid)
     assert later is not None, f"could not start a process as PID {pid}: the machine forks too fast"
-    ((_, dec),) = engine_plan(node, [path]).entries()
+    ((_, dec),) = engine_plan(engine_node, [path]).entries()
     assert (dec.state, dec.reason) == (State.STALE, EngineReason.PID_REUSED), dec
     assert later.poll() is None
     assert f"PID {pid}" in dec.detail
@@ -114,22 +98,22 @@ def _spawn_at(kids: Children, pid: int) -> subprocess.Popen[str] | None:
     return None
 
 
-def test_sizes_are_the_memory_held_not_the_apparent_size(node: Node) -> None:
-    path = node.file(node.fresh(node.shm, "vllm_mm_" + "B" * 14 + "{hex8}"), nbytes=4096)
+def test_sizes_are_the_memory_held_not_the_apparent_size(engine_node: Node) -> None:
+    path = engine_node.file(engine_node.fresh(engine_node.shm, "vllm_mm_" + "B" * 14 + "{hex8}"), nbytes=4096)
     os.truncate(path, 1 << 30)  # what vLLM's 250 MB buffers look like before anything is written
     backdate(path, OLD)
-    (c, _), = engine_plan(node, [path]).entries()
+    (c, _), = engine_plan(engine_node, [path]).entries()
     st = os.stat(path)
     assert c.size == 1 << 30
     assert c.allocated == st.st_blocks * 512 < 1 << 20
-    assert execute_engines(engine_plan(node, [path]), dry_run=True).entries[0].to_dict()["bytes"] == c.allocated
+    assert execute_engines(engine_plan(engine_node, [path]), dry_run=True).entries[0].to_dict()["bytes"] == c.allocated
 
 
 @needs_whole_view
-def test_identity_is_rechecked_at_removal(node: Node) -> None:
+def test_identity_is_rechecked_at_removal(engine_node: Node) -> None:
     """A successor made a new file of the same name between plan and act: it is not what was decided on."""
-    path = node.file(node.fresh(node.shm, "nccl-{alnum6}"))
-    p = engine_plan(node, [path])
+    path = engine_node.file(engine_node.fresh(engine_node.shm, "nccl-{alnum6}"))
+    p = engine_plan(engine_node, [path])
     os.unlink(path)
     os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
     (e,) = execute_engines(p, dry_run=False).entries
@@ -138,10 +122,10 @@ def test_identity_is_rechecked_at_removal(node: Node) -> None:
 
 
 @needs_whole_view
-def test_owner_is_rechecked_at_removal(node: Node, unpriv_user) -> None:  # type: ignore[no-untyped-def]
-    path = node.file(node.fresh(node.shm, "nccl-{alnum6}"))
-    sock = node.socket(node.fresh(node.tmp, "{uuid}"))
-    p = engine_plan(node, [path, sock])
+def test_owner_is_rechecked_at_removal(engine_node: Node, unpriv_user) -> None:  # type: ignore[no-untyped-def]
+    path = engine_node.file(engine_node.fresh(engine_node.shm, "nccl-{alnum6}"))
+    sock = engine_node.socket(engine_node.fresh(engine_node.tmp, "{uuid}"))
+    p = engine_plan(engine_node, [path, sock])
     os.chown(path, unpriv_user.pw_uid, -1)
     os.chown(sock, unpriv_user.pw_uid, -1, follow_symlinks=False)
     for e in execute_engines(p, dry_run=False).entries:
@@ -150,9 +134,9 @@ def test_owner_is_rechecked_at_removal(node: Node, unpriv_user) -> None:  # type
 
 
 @needs_whole_view
-def test_a_lock_taken_since_the_scan_keeps_it(node: Node, children: Children) -> None:
-    path = node.file(node.fresh(node.shm, "sglang_loads_t_{hex8}.shm"))
-    p = engine_plan(node, [path])
+def test_a_lock_taken_since_the_scan_keeps_it(engine_node: Node, children: Children) -> None:
+    path = engine_node.file(engine_node.fresh(engine_node.shm, "sglang_loads_t_{hex8}.shm"))
+    p = engine_plan(engine_node, [path])
     children.spawn("import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_SH)\n"
                    + _READY_THEN_WAIT, path)
     (e,) = execute_engines(p, dry_run=False).entries
@@ -161,11 +145,11 @@ def test_a_lock_taken_since_the_scan_keeps_it(node: Node, children: Children) ->
 
 
 @needs_whole_view
-def test_the_time_limit_keeps_what_it_did_not_reach(node: Node) -> None:
+def test_the_time_limit_keeps_what_it_did_not_reach(engine_node: Node) -> None:
     # Not psm_ names: the test session's own sweep of vLLM's buffers (tests/conftest.py) runs in every
     # concurrent suite, and removes unused psm_ files that appeared during it, ours included.
-    paths = [node.file(node.fresh(node.shm, "nccl-{alnum6}")) for _ in range(3)]
-    p = engine_plan(node, paths)
+    paths = [engine_node.file(engine_node.fresh(engine_node.shm, "nccl-{alnum6}")) for _ in range(3)]
+    p = engine_plan(engine_node, paths)
     time.sleep(0.01)
     report = execute_engines(p, dry_run=False, time_limit=1e-9)
     assert report.timed_out
@@ -174,23 +158,23 @@ def test_the_time_limit_keeps_what_it_did_not_reach(node: Node) -> None:
 
 
 @needs_whole_view
-def test_another_users_entries_as_root_and_as_that_user(node: Node, unpriv_user) -> None:  # type: ignore[no-untyped-def]
+def test_another_users_entries_as_root_and_as_that_user(engine_node: Node, unpriv_user) -> None:  # type: ignore[no-untyped-def]
     """Root decides and removes another user's dead entries; that user keeps root's as foreign, removes its own."""
     uid = unpriv_user.pw_uid
-    mine = node.file(node.fresh(node.shm, "vllm_mm_" + "B" * 14 + "{hex8}"))
-    theirs = node.file(node.fresh(node.shm, "vllm_mm_" + "B" * 14 + "{hex8}"))
-    theirs_too = node.file(node.fresh(node.shm, "vllm_mm_" + "B" * 14 + "{hex8}"))
-    their_sock = node.socket(node.fresh(node.tmp, "{uuid}"))
+    mine = engine_node.file(engine_node.fresh(engine_node.shm, "vllm_mm_" + "B" * 14 + "{hex8}"))
+    theirs = engine_node.file(engine_node.fresh(engine_node.shm, "vllm_mm_" + "B" * 14 + "{hex8}"))
+    theirs_too = engine_node.file(engine_node.fresh(engine_node.shm, "vllm_mm_" + "B" * 14 + "{hex8}"))
+    their_sock = engine_node.socket(engine_node.fresh(engine_node.tmp, "{uuid}"))
     for x in (theirs, theirs_too, their_sock):
         os.chown(x, uid, -1, follow_symlinks=False)
-    as_user = _run_as(unpriv_user, node.layout.root, [mine, theirs, their_sock])
+    as_user = _run_as(unpriv_user, engine_node.layout.root, [mine, theirs, their_sock])
     assert as_user[mine][:2] == ["foreign", "other_user"]
     assert as_user[theirs][:2] == ["stale", "unused"] and as_user[theirs][2] == "removed"
     assert as_user[their_sock][:3] == ["stale", "not_listening", "removed"]
     assert os.path.exists(mine) and not os.path.exists(theirs) and not os.path.lexists(their_sock)
-    (e,) = execute_engines(engine_plan(node, [theirs_too]), dry_run=False).entries
+    (e,) = execute_engines(engine_plan(engine_node, [theirs_too]), dry_run=False).entries
     assert (e.state, e.action) == (State.STALE, Action.REMOVED)
-    assert_plain_gc_ignores(node, [mine])
+    assert_plain_gc_ignores(engine_node, [mine])
 
 
 _AS_USER = r"""
@@ -237,10 +221,10 @@ def test_an_rpc_directory_that_is_a_symlink_is_not_followed(layout: Layout) -> N
     assert os.path.lexists(dead)
 
 
-def test_kinds_filter_after_deciding(node: Node) -> None:
-    a = node.file(node.fresh(node.shm, "vllm_mm_" + "B" * 14 + "{hex8}"))
-    b = node.file(node.fresh(node.shm, "nccl-{alnum6}"))
-    p = plan_engines(node.layout, Policy(grace=60), names=names_of([a, b]), kinds=[EngineKind.NCCL_SHM])
+def test_kinds_filter_after_deciding(engine_node: Node) -> None:
+    a = engine_node.file(engine_node.fresh(engine_node.shm, "vllm_mm_" + "B" * 14 + "{hex8}"))
+    b = engine_node.file(engine_node.fresh(engine_node.shm, "nccl-{alnum6}"))
+    p = plan_engines(engine_node.layout, Policy(grace=60), names=names_of([a, b]), kinds=[EngineKind.NCCL_SHM])
     assert [c.path for c, _ in p.entries()] == [b]
     assert p.matched >= 2
 

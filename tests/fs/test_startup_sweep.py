@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,17 +24,10 @@ from kvcached.runtime.harness import start_deployment
 from kvcached.runtime.ipc.client import ping
 
 from ..waiting import wait_for
-from .engine_plant import MAPPER, Children, Node
+from .engine_plant import MAPPER, Node
 from .helpers import dead_deployment, state_of
 
 ON = {settings.STARTUP_SWEEP.name: "1"}
-
-
-@pytest.fixture
-def children() -> Iterator[Children]:
-    kids = Children()
-    yield kids
-    kids.close()
 
 
 class Serve:

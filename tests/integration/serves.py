@@ -149,7 +149,7 @@ def _owner_main(conn: Any, shape: Shape, root: str, name: str, patched: bool, en
     # Whatever the test process had applied: this serve loads kvcached as vLLM
     # does, through its plugin loader and the installed entry point.
     REGISTRY.revert()
-    plugin._done = False
+    plugin._once.done = False
     vllm.plugins.plugins_loaded = False
     vllm.plugins.load_general_plugins()
     if not shape.dp_names:

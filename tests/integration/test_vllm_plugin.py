@@ -95,7 +95,7 @@ def clean_patches(monkeypatch):
 
     REGISTRY.revert()
     monkeypatch.setattr(REGISTRY, "_warned", set())
-    monkeypatch.setattr(plugin, "_done", False)
+    monkeypatch.setattr(plugin._once, "done", False)
     monkeypatch.delenv("ENABLE_KVCACHED", raising=False)
     monkeypatch.delenv("KVCACHED_ENABLE", raising=False)
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)

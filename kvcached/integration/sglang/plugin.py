@@ -25,16 +25,16 @@ SGLang's log stream, in its format, at its level.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from types import ModuleType
 
-from .. import enabled
+import wrapt
+
+from ..patchkit import Once, run_once
 
 log = logging.getLogger("kvcached.integration.sglang")
 
-_lock = threading.Lock()
-_done = False
+_once = Once()
 
 
 def _applier(names: tuple[str, ...]) -> Callable[[ModuleType], None]:
@@ -52,20 +52,11 @@ def _applier(names: tuple[str, ...]) -> Callable[[ModuleType], None]:
 
 def register() -> None:
     """Apply kvcached's SGLang patches in this process when enabled, each as its target is imported; never raises."""
-    global _done
-    try:
-        if not enabled():
-            log.debug("kvcached: not enabled (set ENABLE_KVCACHED=true or KVCACHED_ENABLE=1)")
-            return
-        with _lock:
-            if _done:
-                return
-            _done = True
-        import wrapt
+    run_once(_once, "SGLang", log, _hook_patches)
 
-        from .patches import by_home_module
 
-        for module_name, names in by_home_module().items():
-            wrapt.register_post_import_hook(_applier(names), module_name)
-    except Exception:
-        log.exception("kvcached: the SGLang plugin failed; SGLang continues without kvcached's patches")
+def _hook_patches() -> None:
+    from .patches import by_home_module
+
+    for module_name, names in by_home_module().items():
+        wrapt.register_post_import_hook(_applier(names), module_name)

@@ -16,14 +16,12 @@ log stream, in vLLM's format, at vLLM's level (`VLLM_LOGGING_LEVEL`).
 from __future__ import annotations
 
 import logging
-import threading
 
-from .. import enabled
+from ..patchkit import Once, run_once
 
 log = logging.getLogger("kvcached.integration.vllm")
 
-_lock = threading.Lock()
-_done = False
+_once = Once()
 
 
 class VllmLogHandler(logging.Handler):
@@ -68,18 +66,11 @@ def unroute_logs() -> None:
 
 def register() -> None:
     """Apply kvcached's vLLM patches in this process when enabled; idempotent; never raises."""
-    global _done
-    try:
-        if not enabled():
-            log.debug("kvcached: not enabled (set ENABLE_KVCACHED=true or KVCACHED_ENABLE=1)")
-            return
-        with _lock:
-            if _done:
-                return
-            _done = True
-        route_logs_to_vllm()
-        from .patches import REGISTRY
+    run_once(_once, "vLLM", log, _apply)
 
-        REGISTRY.apply()
-    except Exception:
-        log.exception("kvcached: the vLLM plugin failed; vLLM continues without kvcached's patches")
+
+def _apply() -> None:
+    route_logs_to_vllm()
+    from .patches import REGISTRY
+
+    REGISTRY.apply()
