@@ -271,18 +271,26 @@ class _Index(NamedTuple):
     file: dict[tuple[int, int], list[ProcessInfo]]
 
 
+_CHUNK = 65536
+
+
 def _read(path: str) -> bytes:
     # os.open/os.read, not open(): a buffered file object costs more than the
     # read itself, and a pass makes six reads per process.
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        first = os.read(fd, 65536)
-        chunk = os.read(fd, 65536) if first else b""
+        first = os.read(fd, _CHUNK)
+        # A short read is the end: /proc's stat and status are generated whole into the
+        # buffer, and cmdline and environ are copied until the buffer or the text ends.
+        # So almost every file costs one read, not a second one that returns nothing.
+        if len(first) < _CHUNK:
+            return first
+        chunk = os.read(fd, _CHUNK)
         if not chunk:
-            return first  # almost every /proc file: one read, then end of file
+            return first
         chunks = [first, chunk]
         while chunk:
-            chunk = os.read(fd, 65536)
+            chunk = os.read(fd, _CHUNK)
             chunks.append(chunk)
         return b"".join(chunks)
     finally:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import re
@@ -99,8 +98,11 @@ def socket_hash(name: str) -> str:
     """Upstream's 8-hex-digit suffix of the socket directory: the first 8 hex digits of uuid5(NAMESPACE_DNS, name)."""
     # uuid5 is SHA-1 over namespace + name with version and variant bits set in bytes 6
     # and 8; the first four bytes are the digest's own. Without the UUID object: a
-    # scan checks one hash per socket directory (bench/bench_gc.py).
-    return hashlib.sha1(_DNS_NAMESPACE + name.encode("utf-8")).hexdigest()[:8]
+    # scan checks one hash per socket directory (bench/bench_gc.py). hashlib loads
+    # OpenSSL (5-10 ms): imported here, so that gc on a node with no directory to check never pays.
+    from hashlib import sha1
+
+    return sha1(_DNS_NAMESPACE + name.encode("utf-8")).hexdigest()[:8]
 
 
 def socket_dir_name(name: str) -> str:

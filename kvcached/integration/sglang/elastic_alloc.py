@@ -286,9 +286,13 @@ class _ElasticIds:
         if self.frozen:
             return agreed
         self.step_seq += 1
-        self._apply_limit(agreed.limit)
-        self._release_due(agreed.idle)
-        over = self._kept_groups() > self.max_groups
+        # Every step pays for this method (bench/bench_sglang.py): the calls below are skipped when they
+        # would change nothing (the same limit, nothing released).
+        if agreed.limit != self.limit:
+            self._apply_limit(agreed.limit)
+        if self._releasing:
+            self._release_due(agreed.idle)
+        over = self.mapped_count - len(self._releasing) > self.max_groups
         if over and tree_cache is not None:
             self._evict_for_limit(tree_cache)
         now = agreed.clock_ns

@@ -21,8 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ...node.errors import KvcachedError, SegmentMissing
 from ...node.segment import LimitWatch, write_segment
@@ -30,9 +29,8 @@ from ...node.segment import LimitWatch, write_segment
 log = logging.getLogger("kvcached.integration.sglang.elastic")
 
 
-@dataclass(frozen=True)
-class Agreed:
-    """What every rank decides this step from."""
+class Agreed(NamedTuple):
+    """What every rank decides this step from (a tuple: built at every step, it must cost next to nothing)."""
 
     limit: int | None  # bytes per rank; None while no segment can be read
     clock_ns: int  # rank 0's monotonic clock
