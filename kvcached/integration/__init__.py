@@ -4,6 +4,10 @@ Importing this package, or any of its modules but `vllm.blockpool` (a subclass
 of vLLM's BlockPool), imports neither an engine nor torch: the patches import
 their engine when they are applied or probed.
 
+- here: `enabled()`, and `run_once`, every engine plugin's entry-point frame
+  (its work once per process, only when kvcached is enabled, nothing raised
+  into the engine). A plugin the engine loads with kvcached off imports this
+  package alone: no wrapt, no patch kit.
 - `patchkit`: the kit every engine's patches are made with (Patch, Registry, wrap).
 - `state`: what one process shares between them (its engines, its worker listener).
 - `engine_state`, `engine_owner`, `limits`: engine-agnostic halves (what an
@@ -17,7 +21,10 @@ their engine when they are applied or probed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from .. import settings
 from ..node.layout import Layout
@@ -33,3 +40,31 @@ def layout_from_env(environ: Mapping[str, str] | None = None) -> Layout:
     """The node layout engine processes use: `/`, or `KVCACHED_ROOT` (tests, chroots); raises SettingError
     for a relative `KVCACHED_ROOT` (settings.ROOT says why it is strict)."""
     return Layout(root=settings.ROOT.get(environ))
+
+
+@dataclass
+class Once:
+    """Whether a plugin's work has run in this process; tests set `done` back to False to load the plugin again."""
+
+    done: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+def run_once(once: Once, engine: str, log: logging.Logger, work: Callable[[], None]) -> None:
+    """Run a plugin's `work` once per process, only when kvcached is enabled; log, never raise, into `engine`.
+
+    Engines call their plugins in every process they start, some more than
+    once, and vLLM's loader calls them without a guard: an exception here
+    would abort the serve.
+    """
+    try:
+        if not enabled():
+            log.debug("kvcached: not enabled (set ENABLE_KVCACHED=true or KVCACHED_ENABLE=1)")
+            return
+        with once.lock:
+            if once.done:
+                return
+            once.done = True
+        work()
+    except Exception:
+        log.exception("kvcached: the %s plugin failed; %s continues without kvcached's patches", engine, engine)

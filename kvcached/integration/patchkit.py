@@ -15,9 +15,7 @@ qualified name, docstring, signature, classmethod or staticmethod nature kept,
 `isinstance` and `==` answer as for the original), idempotent (`wrap` twice
 under one key wraps once) and reversible in any order (`unwrap` splices one
 wrapper out of a chain of several and restores an inherited method by removing
-the override). `run_once` is every engine plugin's entry-point frame: its
-work once per process, only when kvcached is enabled, nothing raised into the
-engine. Nothing here knows any engine.
+the override). Nothing here knows any engine.
 """
 
 from __future__ import annotations
@@ -27,14 +25,13 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import wrapt
 
 from ..node.detectdoc import PatchReport, PatchStatus
-from . import enabled
 
 # (wrapped, instance, args, kwargs) -> result: wrapt's wrapper signature. `wrapped` is already bound to
 # `instance` for a method, so `args` never holds self.
@@ -383,30 +380,3 @@ def _off(p: Patch) -> str | None:
     except Exception as e:  # a switch that cannot be read is off: a patch nobody asked for stays out
         return f"its switch cannot be read: {type(e).__name__}: {e}"
 
-
-@dataclass
-class Once:
-    """Whether a plugin's work has run in this process; tests set `done` back to False to load the plugin again."""
-
-    done: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-
-def run_once(once: Once, engine: str, log: logging.Logger, work: Callable[[], None]) -> None:
-    """Run a plugin's `work` once per process, only when kvcached is enabled; log, never raise, into `engine`.
-
-    Engines call their plugins in every process they start, some more than
-    once, and vLLM's loader calls them without a guard: an exception here
-    would abort the serve.
-    """
-    try:
-        if not enabled():
-            log.debug("kvcached: not enabled (set ENABLE_KVCACHED=true or KVCACHED_ENABLE=1)")
-            return
-        with once.lock:
-            if once.done:
-                return
-            once.done = True
-        work()
-    except Exception:
-        log.exception("kvcached: the %s plugin failed; %s continues without kvcached's patches", engine, engine)

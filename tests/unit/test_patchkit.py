@@ -284,3 +284,22 @@ def test_an_unknown_patch_name_is_a_key_error() -> None:
     reg = Registry("Engine", (_patch("a", make_class()),), logging.getLogger("t"))
     with pytest.raises(KeyError, match="no Engine patch is named 'b'"):
         reg.apply(("b",))
+
+
+def test_a_plugin_loaded_with_kvcached_off_imports_no_patch_kit() -> None:
+    """vLLM and SGLang load their plugins in every process they start, kvcached on or off: off, the plugins'
+    shared entry frame (kvcached.integration.run_once) returns before anything else is imported."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import kvcached.integration.vllm.plugin as v, kvcached.integration.sglang.plugin as s\n"
+            "v.register(); s.register()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('wrapt', 'torch', 'vllm', 'sglang')\n"
+            "             or m in ('kvcached.integration.patchkit', 'kvcached.node.detectdoc')))\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KVCACHED_ENABLE", "ENABLE_KVCACHED", "KVCACHED_ELASTIC")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]"

@@ -28,9 +28,7 @@ import logging
 from collections.abc import Callable
 from types import ModuleType
 
-import wrapt
-
-from ..patchkit import Once, run_once
+from .. import Once, run_once
 
 log = logging.getLogger("kvcached.integration.sglang")
 
@@ -56,6 +54,8 @@ def register() -> None:
 
 
 def _hook_patches() -> None:
+    import wrapt  # here: a plugin loaded with kvcached off imports nothing beyond this package
+
     from .patches import by_home_module
 
     for module_name, names in by_home_module().items():

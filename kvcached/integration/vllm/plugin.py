@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from ..patchkit import Once, run_once
+from .. import Once, run_once
 
 log = logging.getLogger("kvcached.integration.vllm")
 
