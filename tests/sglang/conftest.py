@@ -80,3 +80,14 @@ def zygote(sgl_scratch) -> Iterator:
     z = Zygote(sgl_scratch)
     yield z
     z.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def zygote_early(request) -> None:
+    """The zygote started with the first SGLang test when any selected test forks from it.
+
+    Its import (about 20 CPU seconds) then runs beside the single-core tests
+    before test_launch, not in front of the first serve.
+    """
+    if any("zygote" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        request.getfixturevalue("zygote")

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,8 +39,46 @@ def child_env(scratch: str, extra: Mapping[str, str] | None = None) -> dict[str,
 def run_python(code: str, scratch: str, *, extra: Mapping[str, str] | None = None,
                timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
     """Run `code` in a fresh interpreter with the SGLang child environment; never raises on its exit status."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=child_env(scratch, extra),
-                          capture_output=True, text=True, timeout=timeout, cwd=scratch)
+    return Child(code, scratch, extra=extra, timeout=timeout).result()
+
+
+class Child:
+    """A fresh interpreter running `code`, started now; its output read when a test asks for it.
+
+    Each one that imports SGLang takes about 20 CPU seconds: a module starts
+    its children together, so that both cores import while its first test
+    waits. Output goes to unlinked files, not pipes: a child nobody reads yet
+    must never block on a full pipe.
+    """
+
+    def __init__(self, code: str, scratch: str, *, extra: Mapping[str, str] | None = None,
+                 timeout: float = 400.0) -> None:
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=child_env(scratch, extra),
+                                     stdout=self._out, stderr=self._err, text=True, cwd=scratch)
+        self.timeout = timeout
+        self._done: subprocess.CompletedProcess[str] | None = None
+
+    def result(self) -> subprocess.CompletedProcess[str]:
+        """What it printed and its exit status, once it exited (up to `timeout` from now; then it is killed)."""
+        if self._done is None:
+            try:
+                self.proc.wait(timeout=self.timeout)
+            finally:
+                self.close()
+            self._out.seek(0)
+            self._err.seek(0)
+            self._done = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self._out.read(),
+                                                     self._err.read())
+            self._out.close()
+            self._err.close()
+        return self._done
+
+    def close(self) -> None:
+        """Kill it if it still runs (a test that failed before reading it), and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
 
 def last_json(proc: subprocess.CompletedProcess[str]) -> dict:

@@ -68,19 +68,35 @@ class Main:
         self.zygote.status(self.key, 30)
 
 
-@pytest.fixture
-def launch(zygote, sgl_scratch, tmp_path) -> Iterator:
-    """Start launch_driver mains; each is SIGKILLed with its group at teardown."""
-    started: list[Main] = []
+# The single-scheduler mains of the stop tests below, by test: the launch_driver scenario each runs.
+SINGLES = {"kill-tree-and-self": "kill-tree-and-self", "sigkill": "wait", "sigquit": "wait"}
 
-    def start(scenario: str, *opts: str) -> Main:
-        main = Main(zygote, sgl_scratch, tmp_path, scenario, *opts)
-        started.append(main)
-        return main
 
-    yield start
-    for main in started:
-        main.kill()
+@pytest.fixture(scope="module")
+def mains(zygote, sgl_scratch, tmp_path_factory) -> Iterator[dict[str, Main]]:
+    """Every main of the module, forked together so their schedulers import SGLang at once; each test takes its own.
+
+    `tree` is one TP = 2, PP = 2 launch whose main reports its tree, then
+    kill_process_tree(include_parent=False)s it. kvcached is enabled in it, on
+    a node root of its own (short, under /tmp: socket paths fit 107 bytes):
+    SGLang's facts below hold with it, and the launch shows kvcached's names
+    for a TP × PP serve. Every main is SIGKILLed with its group at the end.
+    """
+    root = tempfile.mkdtemp(prefix="kvl", dir="/tmp")
+    for sub in ("dev/shm", "tmp"):
+        os.makedirs(os.path.join(root, sub))
+    env = {"KVCACHED_ROOT": root, "KVCACHED_ENABLE": "1", "KVCACHED_LIMIT": "64M"}
+    started: dict[str, Main] = {}
+    try:
+        started["tree"] = Main(zygote, sgl_scratch, tmp_path_factory.mktemp("tree"), "kill-tree", "--tp", "2",
+                               "--pp", "2", env=env)
+        for name, scenario in SINGLES.items():
+            started[name] = Main(zygote, sgl_scratch, tmp_path_factory.mktemp(name), scenario)
+        yield started
+    finally:
+        for main in started.values():
+            main.kill()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _gone(pid: int) -> bool:
@@ -92,24 +108,12 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tree(zygote, sgl_scratch, tmp_path_factory) -> Iterator[dict]:
-    """One TP = 2, PP = 2 launch whose main reports its tree, then kill_process_tree(include_parent=False)s it.
-
-    kvcached is enabled in it, on a node root of its own (short, under /tmp: socket paths fit 107 bytes):
-    SGLang's facts below hold with it, and the launch shows kvcached's names for a TP × PP serve.
-    """
-    root = tempfile.mkdtemp(prefix="kvl", dir="/tmp")
-    for sub in ("dev/shm", "tmp"):
-        os.makedirs(os.path.join(root, sub))
-    env = {"KVCACHED_ROOT": root, "KVCACHED_ENABLE": "1", "KVCACHED_LIMIT": "64M"}
-    main = Main(zygote, sgl_scratch, tmp_path_factory.mktemp("tree"), "kill-tree", "--tp", "2", "--pp", "2", env=env)
-    try:
-        report = main.report()
-        report["rc"] = main.wait()
-        yield report
-    finally:
-        main.kill()
-        shutil.rmtree(root, ignore_errors=True)
+def tree(mains) -> dict:
+    """The TP = 2, PP = 2 launch's report, once its main returned from kill_process_tree (its exit status in rc)."""
+    main = mains["tree"]
+    report = main.report()
+    report["rc"] = main.wait()
+    return report
 
 
 def test_tp2_pp2_schedulers_are_spawned_titled_children_of_main_in_its_group(tree) -> None:
@@ -158,12 +162,12 @@ def test_kill_process_tree_sigkills_every_descendant_and_waits_until_they_are_de
     assert tree["rc"] == 0
 
 
-def test_kill_process_tree_with_the_parent_sigkills_main_before_anything_after_it_runs(launch) -> None:
+def test_kill_process_tree_with_the_parent_sigkills_main_before_anything_after_it_runs(mains) -> None:
     """include_parent=True from main: the child, then main itself, by SIGKILL; the line after the call never runs.
 
     TP = PP = DP = 1 here: the one scheduler's title is plain `sglang::scheduler`.
     """
-    main = launch("kill-tree-and-self")
+    main = mains["kill-tree-and-self"]
     report = main.report()
     assert [i["title"] for i in report["infos"]] == ["sglang::scheduler"]
     assert main.wait() == -signal.SIGKILL
@@ -171,9 +175,9 @@ def test_kill_process_tree_with_the_parent_sigkills_main_before_anything_after_i
     wait_for(lambda: all(_gone(pid) for pid in report["procs"]), timeout=20)
 
 
-def test_a_scheduler_dies_with_its_parent(launch) -> None:
+def test_a_scheduler_dies_with_its_parent(mains) -> None:
     """"Kill myself when my parent dies" (PR_SET_PDEATHSIG, SIGKILL): SIGKILL main alone and the scheduler follows."""
-    main = launch("wait")
+    main = mains["sigkill"]
     children = main.report()["procs"]
     assert not any(_gone(pid) for pid in children)
     os.kill(main.pid, signal.SIGKILL)
@@ -181,9 +185,9 @@ def test_a_scheduler_dies_with_its_parent(launch) -> None:
     wait_for(lambda: all(_gone(pid) for pid in children), timeout=20)
 
 
-def test_main_arms_the_launch_phase_sigquit_handler(launch) -> None:
+def test_main_arms_the_launch_phase_sigquit_handler(mains) -> None:
     """_set_envs_and_config installs main's SIGQUIT handler (what a failing child signals); it kills the tree."""
-    main = launch("wait")
+    main = mains["sigquit"]
     report = main.report()
     assert "launch_phase_sigquit_handler" in report["main"]["sigquit"]
     os.kill(main.pid, signal.SIGQUIT)

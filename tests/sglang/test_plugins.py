@@ -9,11 +9,12 @@ cannot be taken back once applied.
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.sglang.cpu_env import last_json, run_python
+from tests.sglang.cpu_env import Child, last_json
 
 pytestmark = pytest.mark.sglang
 
@@ -96,11 +97,10 @@ print(json.dumps(report))
 '''
 
 
-@pytest.fixture
-def plugin_path(tmp_path) -> str:
-    """A directory holding an installed-looking distribution `kvtestplug` with two sglang.srt.plugins entry points."""
-    (tmp_path / "kvtestplug.py").write_text(PLUGIN)
-    info = tmp_path / "kvtestplug-0.1.dist-info"
+def _plugin_dir(path: Path, module: str = PLUGIN) -> str:
+    """`path` holding an installed-looking distribution `kvtestplug` with two sglang.srt.plugins entry points."""
+    (path / "kvtestplug.py").write_text(module)
+    info = path / "kvtestplug-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvtestplug\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(textwrap.dedent("""\
@@ -108,31 +108,54 @@ def plugin_path(tmp_path) -> str:
         kvtest_hooks = kvtestplug:register
         kvtest_raises = kvtestplug:raises
     """))
-    return str(tmp_path)
+    return str(path)
 
 
 # kvcached's own entry point (pyproject.toml), installed in this venv: a plugin of the group like the test's.
 # kvcached is not enabled in these children, so it runs and does nothing.
 KVCACHED = "kvcached"
 
+ALLOW_CASES = {
+    "kvtest_hooks": {"executed": ["kvtest_hooks"], "skipped": [KVCACHED, "kvtest_raises"]},
+    " kvtest_raises , other ": {"executed": [], "skipped": [KVCACHED, "kvtest_hooks"]},
+    "": {"executed": [KVCACHED, "kvtest_hooks"], "skipped": []},
+    ",": {"executed": [], "skipped": [KVCACHED, "kvtest_hooks", "kvtest_raises"]},
+}
 
-def _load(sgl_scratch: str, plugin_path: str, allow: str | None = None) -> dict:
+
+@pytest.fixture(scope="module")
+def children(sgl_scratch, tmp_path_factory) -> Iterator[dict[str, Child]]:
+    """Each case's fresh interpreter, all started at once (each imports SGLang); each test reads its own.
+
+    The broken case has a directory of its own, whose module fails to import.
+    """
     from tests.sglang.cpu_env import child_env
 
-    extra = {"PYTHONPATH": plugin_path + ":" + child_env(sgl_scratch)["PYTHONPATH"]}
-    if allow is not None:
-        extra["SGLANG_PLUGINS"] = allow
-    return last_json(run_python(CHILD, sgl_scratch, extra=extra))
+    good = _plugin_dir(tmp_path_factory.mktemp("plugin"))
+    broken = _plugin_dir(tmp_path_factory.mktemp("plugin-broken"), "raise ImportError('broken on purpose')\n")
+
+    def start(code: str, path: str, allow: str | None = None) -> Child:
+        extra = {"PYTHONPATH": path + ":" + child_env(sgl_scratch)["PYTHONPATH"]}
+        if allow is not None:
+            extra["SGLANG_PLUGINS"] = allow
+        return Child(code, sgl_scratch, extra=extra)
+
+    started = {"all": start(CHILD, good), "raises": start(CHILD, good, allow="kvtest_raises"),
+               "allow-lists": start(ALLOW_LISTS.replace("CASES", repr(list(ALLOW_CASES))), good),
+               "broken": start(CHILD, broken)}
+    yield started
+    for child in started.values():
+        child.close()
 
 
-def test_every_plugin_of_the_group_runs_and_its_hooks_reach_stale_from_imports(sgl_scratch, plugin_path) -> None:
+def test_every_plugin_of_the_group_runs_and_its_hooks_reach_stale_from_imports(children) -> None:
     """Without SGLANG_PLUGINS both run; the hooks apply, also to `from ... import` bindings made before them.
 
     The rebinding walks every module in sys.modules: a module-level alias of
     the original (a patch kit's saved "original", say) is rewritten to the
     wrapper too; only a reference inside a container keeps the original.
     """
-    report = _load(sgl_scratch, plugin_path)
+    report = last_json(children["all"].result())
     assert report["executed"] == [KVCACHED, "kvtest_hooks"]
     assert report["failed"] == ["kvtest_raises"]
     assert report["calls"] == [["kill_process_tree", [12345]], ["alloc", 3]]
@@ -143,9 +166,9 @@ def test_every_plugin_of_the_group_runs_and_its_hooks_reach_stale_from_imports(s
     assert report["classmethod_kept"] is True
 
 
-def test_a_plugin_that_raises_is_logged_and_the_hooks_it_registered_still_apply(sgl_scratch, plugin_path) -> None:
+def test_a_plugin_that_raises_is_logged_and_the_hooks_it_registered_still_apply(children) -> None:
     """The exception is logged ("Failed to execute general plugin") and start-up goes on; what it registered stays."""
-    report = _load(sgl_scratch, plugin_path, allow="kvtest_raises")
+    report = last_json(children["raises"].result())
     assert report["executed"] == [] and report["failed"] == ["kvtest_raises"]
     assert report["patched"] == ["sglang.srt.utils.common.get_bool_env_var"]
 
@@ -176,24 +199,13 @@ print(json.dumps(out))
 '''
 
 
-def test_sglang_plugins_is_a_comma_separated_allow_list_of_entry_point_names(sgl_scratch, plugin_path) -> None:
+def test_sglang_plugins_is_a_comma_separated_allow_list_of_entry_point_names(children) -> None:
     """Names are stripped; empty means no list (all run); only commas allow nothing. Read at each load."""
-    cases = {
-        "kvtest_hooks": {"executed": ["kvtest_hooks"], "skipped": [KVCACHED, "kvtest_raises"]},
-        " kvtest_raises , other ": {"executed": [], "skipped": [KVCACHED, "kvtest_hooks"]},
-        "": {"executed": [KVCACHED, "kvtest_hooks"], "skipped": []},
-        ",": {"executed": [], "skipped": [KVCACHED, "kvtest_hooks", "kvtest_raises"]},
-    }
-    from tests.sglang.cpu_env import child_env
-
-    extra = {"PYTHONPATH": plugin_path + ":" + child_env(sgl_scratch)["PYTHONPATH"]}
-    proc = run_python(ALLOW_LISTS.replace("CASES", repr(list(cases))), sgl_scratch, extra=extra)
-    assert last_json(proc) == cases
+    assert last_json(children["allow-lists"].result()) == ALLOW_CASES
 
 
-def test_a_plugin_whose_module_fails_to_import_is_logged_and_skipped(sgl_scratch, plugin_path) -> None:
+def test_a_plugin_whose_module_fails_to_import_is_logged_and_skipped(children) -> None:
     """ep.load() raising is logged ("Failed to load plugin ...") per entry point; nothing runs, start-up goes on."""
-    (Path(plugin_path) / "kvtestplug.py").write_text("raise ImportError('broken on purpose')\n")
-    report = _load(sgl_scratch, plugin_path)
+    report = last_json(children["broken"].result())
     assert report["load_failed"] == ["kvtest_hooks", "kvtest_raises"]
     assert report["executed"] == [KVCACHED] and report["patched"] == []

@@ -8,11 +8,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import psutil
 import pytest
 
-from tests.sglang.cpu_env import child_env, last_json, run_python
+from tests.sglang.cpu_env import Child, child_env, last_json
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.sglang
@@ -41,15 +42,38 @@ print(json.dumps({"sigquit": got, "exitcodes": [p.exitcode for p in procs]}))
 '''
 
 
+@pytest.fixture(scope="module")
+def children(sgl_scratch) -> Iterator[dict]:
+    """The module's three interpreters, started together (each imports SGLang); each test takes its own.
+
+    The SignalHandler one waits for its signals until its test sends them.
+    """
+    started: dict = {mode: Child(WATCHDOG.replace("sys.argv[1]", repr(mode)), sgl_scratch)
+                     for mode in ("clean", "crash")}
+    handler = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SIGNAL_HANDLER)], env=child_env(sgl_scratch),
+                               cwd=sgl_scratch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    started["handler"] = handler
+    try:
+        yield started
+    finally:
+        started["clean"].close()
+        started["crash"].close()
+        try:
+            os.killpg(handler.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        handler.communicate()
+
+
 @pytest.mark.parametrize(("mode", "sigquit", "exitcodes"), [
     ("clean", [], [0]),
     ("crash", [signal.SIGQUIT], [0, 3]),
 ])
-def test_subprocess_watchdog_sigquits_its_own_process_when_a_child_exits_nonzero(sgl_scratch, mode, sigquit,
+def test_subprocess_watchdog_sigquits_its_own_process_when_a_child_exits_nonzero(children, mode, sigquit,
                                                                                  exitcodes) -> None:
     """A child that exits 0 is fine; one that exits otherwise makes the watchdog SIGQUIT the process it runs in."""
-    proc = run_python(WATCHDOG.replace("sys.argv[1]", repr(mode)), sgl_scratch)
-    assert last_json(proc) == {"sigquit": sigquit, "exitcodes": exitcodes}
+    assert last_json(children[mode].result()) == {"sigquit": sigquit, "exitcodes": exitcodes}
 
 
 SIGNAL_HANDLER = '''
@@ -87,28 +111,19 @@ while True:
 '''
 
 
-def test_signal_handler_sigterm_only_asks_to_drain_and_sigquit_kills_the_tree_and_main(sgl_scratch) -> None:
+def test_signal_handler_sigterm_only_asks_to_drain_and_sigquit_kills_the_tree_and_main(children) -> None:
     """SIGTERM sets gracefully_exit, nothing else; SIGQUIT stops the watchdog, dumps, SIGKILLs children and main."""
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SIGNAL_HANDLER)], env=child_env(sgl_scratch),
-                            cwd=sgl_scratch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()
-        assert first.startswith("{"), first or proc.stderr.read()[-3000:]
-        child = json.loads(first)["child"]
-        os.kill(proc.pid, signal.SIGTERM)
-        assert json.loads(proc.stdout.readline()) == {"gracefully_exit": True}
-        assert proc.poll() is None and psutil.pid_exists(child)
-        os.kill(proc.pid, signal.SIGQUIT)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == -signal.SIGKILL
-        assert json.loads(out.splitlines()[0]) == {"dumped": True, "watchdog_stopped": True}
-        wait_for(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE,
-                 timeout=20)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.communicate()
+    proc = children["handler"]
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert first.startswith("{"), first or proc.stderr.read()[-3000:]
+    child = json.loads(first)["child"]
+    os.kill(proc.pid, signal.SIGTERM)
+    assert json.loads(proc.stdout.readline()) == {"gracefully_exit": True}
+    assert proc.poll() is None and psutil.pid_exists(child)
+    os.kill(proc.pid, signal.SIGQUIT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert json.loads(out.splitlines()[0]) == {"dumped": True, "watchdog_stopped": True}
+    wait_for(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE,
+             timeout=20)

@@ -20,6 +20,8 @@ import pkgutil
 import re
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -78,15 +80,34 @@ def forbidden(name: str) -> str | None:
     return next((f for f in FORBIDDEN if name == f or name.startswith(f + ".")), None)
 
 
-def imported_by(module: str, watch: tuple[str, ...] = FORBIDDEN) -> list[str]:
-    code = (
-        "import importlib, json, sys\n"
-        f"importlib.import_module({module!r})\n"
-        f"print(json.dumps(sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') "
-        f"for f in {watch!r}))))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
+class Import:
+    """A fresh interpreter importing `module`, then printing which of `watch` it loaded (started now)."""
+
+    def __init__(self, module: str, watch: tuple[str, ...] = FORBIDDEN) -> None:
+        code = (
+            "import importlib, json, sys\n"
+            f"importlib.import_module({module!r})\n"
+            f"print(json.dumps(sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') "
+            f"for f in {watch!r}))))\n"
+        )
+        # Output to unlinked files: an interpreter nobody reads yet must never block on a full pipe.
+        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=self.out, stderr=self.err, text=True)
+
+    def loaded(self) -> list[str]:
+        """What it loaded; fails with its stderr when the import failed."""
+        self.proc.wait(timeout=900)
+        self.out.seek(0)
+        self.err.seek(0)
+        assert self.proc.returncode == 0, self.err.read()[-3000:]
+        return json.loads(self.out.read())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.out.close()
+        self.err.close()
 
 
 CORE = modules(kvcached.node) + ["kvcached", "kvcached.settings"] + modules(kvctl)
@@ -118,18 +139,40 @@ def test_no_import_statement_reaches_the_runtime(module: str) -> None:
     assert bad == []
 
 
+@pytest.fixture(scope="module")
+def core_imports() -> Iterator[dict[str, Import]]:
+    """Every core module imported in an interpreter of its own, all started together (each about half a second)."""
+    imports = {m: Import(m) for m in CORE}
+    yield imports
+    for imp in imports.values():
+        imp.close()
+
+
 @pytest.mark.parametrize("module", CORE)
-def test_imports_nothing_of_the_runtime(module: str) -> None:
-    assert imported_by(module) == []
+def test_imports_nothing_of_the_runtime(core_imports, module: str) -> None:
+    assert core_imports[module].loaded() == []
+
+
+@pytest.fixture(scope="module")
+def integration_imports() -> Iterator[dict[str, Import]]:
+    """Every kvcached.integration module imported in an interpreter of its own, all started together.
+
+    The engine-side ones import vLLM or SGLang (about 20 CPU seconds each):
+    together, both cores work while the first case waits.
+    """
+    imports = {m: Import(m, ("vllm", "torch", "sglang")) for m in modules(kvcached.integration)}
+    yield imports
+    for imp in imports.values():
+        imp.close()
 
 
 @pytest.mark.parametrize("module", modules(kvcached.integration))
-def test_integration_modules_import_no_engine(module: str) -> None:
-    loaded = imported_by(module, ("vllm", "torch", "sglang"))
+def test_integration_modules_import_no_engine(integration_imports, module: str) -> None:
+    found = integration_imports[module].loaded()
     if module in ENGINE_SIDE:
-        assert ENGINE_SIDE[module] in loaded  # it is engine-side indeed: keep the list short and true
+        assert ENGINE_SIDE[module] in found  # it is engine-side indeed: keep the list short and true
     else:
-        assert loaded == []
+        assert found == []
 
 
 def test_the_engine_side_modules_are_the_documented_ones() -> None:
