@@ -274,25 +274,28 @@ class _Index(NamedTuple):
 _CHUNK = 65536
 
 
-def _read(path: str) -> bytes:
-    # os.open/os.read, not open(): a buffered file object costs more than the
-    # read itself, and a pass makes six reads per process.
+def _read(path: str, *, whole: bool = False) -> bytes:
+    """The file's bytes, read to its end. `whole`: the file is one that /proc writes out in one read.
+
+    /proc/<pid>/stat and status (one record each, generated whole into the
+    reader's buffer) and cmdline and environ (copied until the buffer or the
+    text ends) return everything in one read when it fits, so for them a short
+    read is the end, and the read that would return nothing is not made: a
+    quarter of the pass's syscalls. A record-by-record file such as maps
+    returns about a page per read, short or not: it is read until a read
+    returns nothing.
+    """
+    # os.open/os.read, not open(): a buffered file object costs more than the read itself.
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        first = os.read(fd, _CHUNK)
-        # A short read is the end: /proc's stat and status are generated whole into the
-        # buffer, and cmdline and environ are copied until the buffer or the text ends.
-        # So almost every file costs one read, not a second one that returns nothing.
-        if len(first) < _CHUNK:
-            return first
         chunk = os.read(fd, _CHUNK)
-        if not chunk:
-            return first
-        chunks = [first, chunk]
+        if whole and len(chunk) < _CHUNK:
+            return chunk
+        chunks = [chunk]
         while chunk:
             chunk = os.read(fd, _CHUNK)
             chunks.append(chunk)
-        return b"".join(chunks)
+        return chunks[0] if len(chunks) == 2 else b"".join(chunks)
     finally:
         os.close(fd)
 
@@ -442,11 +445,11 @@ def _scan_fds(fd_dir: str, shm_files: set[tuple[int, int]], sockets: set[int]) -
 def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
     base = f"{proc_root}/{pid}"
     try:
-        comm, ppid, pgid, start, gone = _parse_stat(_read(f"{base}/stat"), btime)
+        comm, ppid, pgid, start, gone = _parse_stat(_read(f"{base}/stat", whole=True), btime)
         if gone:
             return None
-        uid = _status_uid(_read(f"{base}/status"))
-        cmdline = tuple(a.decode(errors="replace") for a in _read(f"{base}/cmdline").split(b"\0") if a)
+        uid = _status_uid(_read(f"{base}/status", whole=True))
+        cmdline = tuple(a.decode(errors="replace") for a in _read(f"{base}/cmdline", whole=True).split(b"\0") if a)
     except (OSError, ValueError, IndexError):
         return None  # exited during the pass, or not a process directory
     unreadable: set[str] = set()
@@ -455,7 +458,7 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
     # Straight-line reads, no helper closures: this runs once per process on the node.
     ipc_name = None
     try:
-        ipc_name = _env_ipc_name(_read(f"{base}/environ"))
+        ipc_name = _env_ipc_name(_read(f"{base}/environ", whole=True))
     except OSError as e:
         if _gone(e):
             return None

@@ -28,3 +28,41 @@ def test_a_long_environ_and_cmdline_are_read_to_their_end() -> None:
     finally:
         child.stdin.close()  # type: ignore[union-attr]
         child.wait(timeout=30)
+
+
+def test_a_mapping_past_the_first_page_of_maps_is_seen(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """/proc/<pid>/maps comes about a page per read, each read short: the pass must read on to the end.
+
+    maps lists mappings by address, and mmap hands out addresses top down: the
+    child maps the file the test looks for first, then 300 more below it, so
+    that the one it looks for comes after many pages of them.
+    """
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+    target = os.path.join(shm, f"kvtest-late-map-{os.getpid()}")
+    code = (
+        "import mmap, os, sys, tempfile\n"
+        "d = tempfile.mkdtemp(dir=sys.argv[2]); keep = []\n"
+        "f = open(sys.argv[1], 'r+b'); keep.append(mmap.mmap(f.fileno(), 4096)); f.close()\n"
+        "for i in range(300):\n"
+        "    p = os.path.join(d, str(i)); open(p, 'wb').write(b'x' * 4096)\n"
+        "    f = open(p, 'r+b'); keep.append(mmap.mmap(f.fileno(), 4096)); f.close()\n"
+        "maps = open(f'/proc/{os.getpid()}/maps', 'rb').read()\n"
+        "print(maps.find(os.path.basename(sys.argv[1]).encode()), flush=True)\n"
+        "sys.stdin.read()\n"
+        "import shutil; shutil.rmtree(d)\n")
+    with open(target, "wb") as f:
+        f.write(b"k" * 4096)
+    st = os.stat(target)
+    child = subprocess.Popen([sys.executable, "-c", code, target, str(tmp_path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        at = int(child.stdout.readline())  # type: ignore[union-attr]
+        assert at > 8 * 4096  # many reads' worth of maps before it
+        facts = gather_facts()
+        assert child.pid in facts.map_users({st.st_dev}).get((st.st_dev, st.st_ino), [])
+        if shm == "/dev/shm":
+            assert child.pid in facts.mapped().get((st.st_dev, st.st_ino), [])
+    finally:
+        child.stdin.close()  # type: ignore[union-attr]
+        child.wait(timeout=30)
+        os.unlink(target)
