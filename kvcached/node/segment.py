@@ -212,14 +212,14 @@ class LimitWatch:
         self.recheck = recheck
         self._fd: int | None = None
         self._ident: tuple[int, int] | None = None
-        self._checked = 0.0
+        self._recheck_at = float("-inf")  # when the path is stat'ed next (at once while no file is open)
         self._last = b""
         self._value = 0
 
     def read(self) -> int:
         """The limit (total) now; raises SegmentMissing / NotASegment like `read_segment`."""
         now = time.monotonic()
-        if self._fd is None or now - self._checked >= self.recheck:
+        if now >= self._recheck_at:
             try:
                 st = os.stat(self.path, follow_symlinks=False)
             except FileNotFoundError:
@@ -229,7 +229,7 @@ class LimitWatch:
                 self.close()
                 self._fd = _open_checked(self.path, os.O_RDONLY)
                 self._ident = (st.st_dev, st.st_ino)
-            self._checked = now
+            self._recheck_at = now + self.recheck
         assert self._fd is not None
         raw = os.pread(self._fd, 8, 0)
         if raw == self._last:
@@ -251,3 +251,4 @@ class LimitWatch:
             os.close(self._fd)
             self._fd = None
             self._ident = None
+        self._recheck_at = float("-inf")

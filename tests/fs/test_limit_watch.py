@@ -40,3 +40,31 @@ def test_reads_without_reopening_between_rechecks(tmp_path) -> None:
     write_segment(path, total=6)
     assert watch.read() == 6 and watch._fd == fd  # the same open file: one pread per step
     watch.close()
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_sglang_rank0_source_waits_for_the_segment_and_survives_a_planted_file(tmp_path, caplog) -> None:
+    # elastic_step imports no SGLang: rank 0's source is tested here, where no SGLang install is needed.
+    from kvcached.integration.sglang.elastic_step import SegmentLimit
+
+    path = str(tmp_path / "seg")
+    source = SegmentLimit(path)
+    before = _open_fds()
+    with caplog.at_level("WARNING", logger="kvcached.integration.sglang.elastic"):
+        assert source.read() is None and source.read() is None  # no segment yet: SGLang's capacity alone
+    assert len([r for r in caplog.records if "no limit segment" in r.getMessage()]) == 1  # warned once
+    create_segment(path, 4096)
+    assert source.read() == 4096
+    write_segment(path, total=8192)
+    assert source.read() == 8192  # kvctl limit, seen at the next step
+    source.close()
+    os.unlink(path)
+    os.mkfifo(path)  # planted where the segment was: opened without blocking, refused, and closed again
+    planted = SegmentLimit(path)
+    assert planted.read() is None and planted.read() is None
+    assert _open_fds() == before
+    source.close()
+    planted.close()

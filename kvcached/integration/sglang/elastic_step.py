@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from ...node.errors import KvcachedError, SegmentMissing
 from ...node.segment import LimitWatch, write_segment
@@ -29,12 +29,10 @@ from ...node.segment import LimitWatch, write_segment
 log = logging.getLogger("kvcached.integration.sglang.elastic")
 
 
-class Agreed(NamedTuple):
-    """What every rank decides this step from (a tuple: built at every step, it must cost next to nothing)."""
-
-    limit: int | None  # bytes per rank; None while no segment can be read
-    clock_ns: int  # rank 0's monotonic clock
-    idle: bool  # rank 0's scheduler has nothing queued, running or in flight
+# What every rank decides a step from: (the limit in bytes per rank, None while no segment can be read;
+# rank 0's monotonic clock in ns; whether rank 0's scheduler has nothing queued, running or in flight).
+# A plain tuple: it is built at every step, and a NamedTuple's __new__ is one more Python frame there.
+Agreed = tuple[int | None, int, bool]
 
 
 class TPGroup(Protocol):
@@ -88,31 +86,39 @@ class SegmentLimit:
 
     def read(self) -> int | None:
         """The limit in bytes per rank now, or None while there is no segment to read."""
-        path = self.path
+        watch = self._watch
+        if watch is not None:
+            try:
+                return watch.read()
+            except (KvcachedError, OSError) as e:
+                self._failed(self.path, e)
+                return None
+        path = self.path or self._locate()
+        if path is None:
+            return None
+        watch = LimitWatch(path)
         try:
-            if self._watch is None:
-                path = self.path or self._locate()
-                if path is None:
-                    return None
-                watch = LimitWatch(path)
-                value = watch.read()
-                self.path, self._watch = path, watch
-                return value
-            return self._watch.read()
-        except SegmentMissing:
-            if not self._warned:
+            value = watch.read()
+        except (KvcachedError, OSError) as e:
+            watch.close()  # a file that is no segment may have been opened before it was found out
+            self._failed(path, e)
+            return None
+        self.path, self._watch = path, watch
+        return value
+
+    def _failed(self, path: str | None, e: BaseException) -> None:
+        """A read that failed: warned once; a segment gone is looked for again at the next read."""
+        missing = isinstance(e, SegmentMissing)
+        if missing and self._watch is not None:
+            self._watch.close()
+            self._watch = None
+        if not self._warned:
+            if missing:
                 log.warning("kvcached: no limit segment at %s yet; SGLang's capacity is the only limit until it "
                             "appears", path)
-                self._warned = True
-            if self._watch is not None:
-                self._watch.close()
-                self._watch = None
-            return None
-        except (KvcachedError, OSError) as e:
-            if not self._warned:
+            else:
                 log.warning("kvcached: cannot read the limit from %s: %s", path, e)
-                self._warned = True
-            return None
+            self._warned = True
 
     def publish(self, used: int, prealloc: int, *, force: bool = False) -> None:
         """Write used/prealloc (bytes per rank) to the segment when they changed. Never raises."""
@@ -149,21 +155,19 @@ class Agreement:
 
     def exchange(self, idle: Callable[[], bool]) -> Agreed:
         """Rank 0's limit, clock and idleness, on every rank; `idle` is called on rank 0 only."""
-        if self.rank == 0:
-            assert self.source is not None
-            mine = Agreed(self.source.read(), self.clock(), bool(idle()))
-        else:
-            mine = Agreed(None, 0, False)
+        source = self.source
         if self.group is None:
-            return mine
+            assert source is not None
+            return source.read(), self.clock(), bool(idle())
         import torch
         import torch.distributed as dist
 
-        values = torch.tensor([-1 if mine.limit is None else mine.limit, mine.clock_ns, int(mine.idle)],
-                              dtype=torch.int64)
+        limit = source.read() if source is not None else None
+        mine = [-1, 0, 0] if self.rank != 0 else [-1 if limit is None else limit, self.clock(), int(bool(idle()))]
+        values = torch.tensor(mine, dtype=torch.int64)
         dist.broadcast(values, src=self.group.ranks[0], group=self.group.cpu_group)
         limit, clock_ns, flag = (int(v) for v in values.tolist())
-        return Agreed(None if limit < 0 else limit, clock_ns, bool(flag))
+        return None if limit < 0 else limit, clock_ns, bool(flag)
 
     def same_geometry(self) -> bool:
         """Whether every rank laid its pool out as this one did (asked once, on the first boundary)."""
