@@ -29,6 +29,11 @@ def child_env(scratch: str, extra: Mapping[str, str] | None = None) -> dict[str,
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["SGLANG_CACHE_DIR"] = scratch
+    # SGLang names its ZMQ IPC paths with NamedTemporaryFile(delete=False) in tempfile's directory: empty
+    # files (sockets once bound) that nothing removes after a kill. In the session's scratch, they go with it.
+    tmp = os.path.join(scratch, "tmp")
+    os.makedirs(tmp, exist_ok=True)
+    env["TMPDIR"] = tmp
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("SGLANG_PLUGINS", None)
     if extra:

@@ -25,6 +25,7 @@ import os
 import select
 import signal
 import sys
+import tempfile
 
 # What SGLang's main imports (tests/sglang/serve_driver.py), before any plugin loads.
 MODULES = ("sglang.srt.entrypoints.engine", "sglang.srt.managers.tokenizer_manager", "sglang.srt.server_args",
@@ -86,6 +87,7 @@ def become_main(req: dict) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own: Ctrl-C is a KeyboardInterrupt
     os.environ.clear()
     os.environ.update(req["env"])
+    tempfile.tempdir = None  # tempfile's directory is looked up again, from this environment's TMPDIR
     os.chdir(req["cwd"])
     sys.argv = req["argv"]
 

@@ -46,6 +46,7 @@ import heapq
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from time import monotonic_ns
 from typing import Any
 
 import torch
@@ -151,6 +152,7 @@ class _ElasticIds:
         self.step_seq = 0
         self.lag = 0
         self.agreement: Agreement | None = None
+        self._solo: SegmentLimit | None = None  # the agreement's source when it has nothing to exchange
         self.frozen = False  # stood aside at run time: every group mapped for good
         self._spare = 0
 
@@ -277,18 +279,22 @@ class _ElasticIds:
     def attach(self, group: TPGroup | None, source: SegmentLimit | None = None, *, overlap: bool = False) -> None:
         """Join the TP group whose ranks must map the same pages; `overlap`: a batch may run past the boundary."""
         self.agreement = Agreement(group, source, (self.ids_per_group, self.num_groups, self.group_bytes))
+        solo = self.agreement.group is None and self.agreement.clock is monotonic_ns
+        self._solo = self.agreement.source if solo else None
         self.lag = 1 if overlap else 0
         if not self.agreement.same_geometry():
             self._freeze("the TP ranks' KV pools are laid out differently")
 
     def step(self, idle: Callable[[], bool] = _never, tree_cache: Any = None) -> Agreed:
         """The step boundary (every TP rank, same order): follow the limit, release what no live id holds."""
-        agreement = self.agreement
-        if agreement is None:
-            self.attach(None)
-            agreement = self.agreement
-            assert agreement is not None
-        agreed = agreement.exchange(idle)
+        solo = self._solo
+        if solo is not None:  # TP = 1: nothing to agree on, rank 0's own reads (Agreement.exchange, inlined)
+            agreed = solo.read(), monotonic_ns(), bool(idle())
+        else:
+            if self.agreement is None:
+                self.attach(None)
+                return self.step(idle, tree_cache)
+            agreed = self.agreement.exchange(idle)
         if self.frozen:
             return agreed
         limit, now, is_idle = agreed
