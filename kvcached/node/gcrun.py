@@ -124,12 +124,13 @@ def _orphans(p: Plan) -> tuple[list[Any], set[int], list[Any]]:
     """(orphans, pids kvctl may kill, their (deployment, process) pairs)."""
     if not p.roots:  # nothing to group: a clean node stays fast
         return [], set(), []
-    from .view import Role, build_view, classify_process
+    from .roles import Role, classify_process
 
     # Only a worker or an engine is ever orphaned (view._orphan): on a node that runs
-    # neither, grouping every entry into deployments would find nothing.
+    # neither, grouping every entry into deployments would find nothing (and view is not imported).
     if not any(classify_process(i).role in (Role.WORKER, Role.ENGINE) for i in p.facts.processes.values()):
         return [], set(), []
+    from .view import build_view
 
     view = build_view(p, read_segments=False, namespaces=False)
     targets = view.killable_orphans()
