@@ -65,6 +65,10 @@ class EntryRows(list):  # list[dict[str, Any]]: the rows of Entry.to_dict
     checks that both say the same.
     """
 
+    # A list made without __init__ (unpickled: the rows come in before the attributes) is a plain list of rows.
+    entries: Sequence[Entry] = ()
+    _made = True
+
     def __init__(self, entries: Sequence[Entry]) -> None:
         super().__init__()
         self.entries = entries

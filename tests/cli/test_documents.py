@@ -133,6 +133,7 @@ def test_entry_rows_are_the_rows_whichever_way_they_are_read(node) -> None:
     """EntryRows makes its dicts only when read as a list: every way of reading it, the first, sees them all."""
     import copy
     import json
+    import pickle
 
     layout, _ = node
     report = run_gc(GcOptions(layout=layout, grace=0.0, dry_run=True)).report
@@ -146,6 +147,7 @@ def test_entry_rows_are_the_rows_whichever_way_they_are_read(node) -> None:
         "==": lambda r: plain if r == plain and plain == r and not r != plain else [],
         "in": lambda r: [row for row in plain if row in r], "reversed()": lambda r: list(reversed(r))[::-1],
         "copy.deepcopy": lambda r: list(copy.deepcopy(r)), "copy()": lambda r: r.copy(),
+        "pickle": lambda r: list(pickle.loads(pickle.dumps(r))),
         "+": lambda r: r + [], "append": lambda r: (r.append({"x": 1}), list(r)[:-1])[1],
     }
     for what, read in reads.items():
