@@ -54,19 +54,34 @@ class EntryRows(list):  # list[dict[str, Any]]: the rows of Entry.to_dict
     """A report's entries as the schema has them (one dict each, `Entry.to_dict`), and as JSON text, fast.
 
     A gc over a full node reports every entry (11,000 for 1,000 dead
-    deployments), and most entries share their decision: the per-decision part
-    of each row (state, action, reason, detail, pids) is worked out once, and
-    `json()` writes the array from fragments encoded once per distinct part, which
-    cost a tenth of json.dumps over the dicts (bench/bench_gc.py's JSON share).
-    Rows appended later (`+=`, as gc --engines appends the engines' entries) are
-    written by json.dumps. tests/cli/test_documents.py checks that both say the same.
+    deployments), and `kvctl gc --json` only writes them: `json()` writes the
+    array from fragments encoded once per distinct decision, which cost a tenth
+    of json.dumps over the dicts, and the dicts themselves are made only when
+    the list is read as a list (building them was 4 % of `kvctl gc --dry-run
+    --json` end to end, bench/bench_gc.py). Every list operation makes them
+    first (json.dumps' C encoder, too, reads a list subclass through
+    `__iter__`). Rows appended later (`+=`, as gc --engines appends the
+    engines' entries) are written by json.dumps. tests/cli/test_documents.py
+    checks that both say the same.
     """
 
+    # A list made without __init__ (unpickled: the rows come in before the attributes) is a plain list of rows.
+    entries: Sequence[Entry] = ()
+    _made = True
+
     def __init__(self, entries: Sequence[Entry]) -> None:
+        super().__init__()
         self.entries = entries
+        self._made = False
+
+    def _make(self) -> None:
+        """The rows, once, ahead of anything appended to the list before."""
+        if self._made:
+            return
+        self._made = True
         parts: dict[tuple[int, str, str], tuple[str, str, str, str, tuple[int, ...]]] = {}
         rows = []
-        for e in entries:
+        for e in self.entries:
             c, d = e.candidate, e.decision
             key = (id(d), e.action, e.note)  # the decisions live as long as the entries that hold them
             part = parts.get(key)
@@ -78,7 +93,7 @@ class EntryRows(list):  # list[dict[str, Any]]: the rows of Entry.to_dict
             rows.append({"kind": c.kind._value_, "path": c.path, "deployment": c.deployment, "state": state,
                          "action": action, "reason": reason, "detail": detail, "pids": list(pids), "rank": c.rank,
                          "stage": c.stage, "uid": c.uid, "mtime": c.mtime, "type": c.ftype._value_})
-        super().__init__(rows)
+        list.__setitem__(self, slice(0, 0), rows)
 
     def json(self) -> str:
         """The array as compact JSON: what json.dumps(self, separators=(",", ":")) gives."""
@@ -100,8 +115,32 @@ class EntryRows(list):  # list[dict[str, Any]]: the rows of Entry.to_dict
             out.append(f'{{"kind":"{c.kind._value_}","path":{text(c.path)},"deployment":{dep},{middle},'
                        f'"mtime":{_number(c.mtime)},"type":"{c.ftype._value_}"}}')
         # Rows appended after the report's (gc --engines adds the engines' own): as json.dumps writes them.
-        out += (json.dumps(row, separators=(",", ":"), default=str) for row in self[len(self.entries):])
+        # Anything appended made the rows first, so an unmade list has none.
+        later = list.__getitem__(self, slice(len(self.entries), None)) if self._made else []
+        out += (json.dumps(row, separators=(",", ":"), default=str) for row in later)
         return "[" + ",".join(out) + "]"
+
+
+def _made_first(name: str) -> Any:
+    """list's method `name`, run on EntryRows after its rows are made."""
+    method = getattr(list, name)
+
+    def run(self: EntryRows, *args: Any, **kw: Any) -> Any:
+        self._make()
+        return method(self, *args, **kw)
+
+    run.__name__ = name
+    return run
+
+
+# Every way to read or change a list (C code that takes a list subclass, json's encoder and list() among
+# them, goes through these too), so that nothing sees the list before its rows are made.
+for _name in ("__iter__", "__len__", "__getitem__", "__setitem__", "__delitem__", "__contains__", "__reversed__",
+              "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__add__", "__iadd__", "__mul__",
+              "__imul__", "__rmul__", "__repr__", "__reduce_ex__", "append", "extend", "insert", "pop", "remove",
+              "index", "count", "sort", "reverse", "copy", "clear"):
+    setattr(EntryRows, _name, _made_first(_name))
+del _name
 
 
 def _number(x: float) -> str:

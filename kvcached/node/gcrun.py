@@ -124,12 +124,13 @@ def _orphans(p: Plan) -> tuple[list[Any], set[int], list[Any]]:
     """(orphans, pids kvctl may kill, their (deployment, process) pairs)."""
     if not p.roots:  # nothing to group: a clean node stays fast
         return [], set(), []
-    from .view import Role, build_view, classify_process
+    from .roles import Role, classify_process
 
     # Only a worker or an engine is ever orphaned (view._orphan): on a node that runs
-    # neither, grouping every entry into deployments would find nothing.
+    # neither, grouping every entry into deployments would find nothing (and view is not imported).
     if not any(classify_process(i).role in (Role.WORKER, Role.ENGINE) for i in p.facts.processes.values()):
         return [], set(), []
+    from .view import build_view
 
     view = build_view(p, read_segments=False, namespaces=False)
     targets = view.killable_orphans()
@@ -229,6 +230,12 @@ def _ask(confirm: Confirm, p: Plan, ep: EnginePlan | None) -> bool:
     return confirm(p, preview, engines=execute_engines(ep, dry_run=True))
 
 
+def _any_stale(p: Plan, ep: EnginePlan | None) -> bool:
+    """Whether the plan would remove anything (kvcached's entries, or the engines' when judged)."""
+    return any(d.state is State.STALE for _, d in p.entries()) or (
+        ep is not None and any(d.state is State.STALE for _, d in ep.entries()))
+
+
 def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, confirm_kill: ConfirmKill | None,
                    progress: Callable[[Any], None] | None) -> GcResult:
     """gc's run under the lock: plan, orphans, confirmation, the guarded act."""
@@ -250,9 +257,8 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
     ep = _engine_plan(opts, p) if opts.engine_pass else None
     dry = opts.dry_run
     declined = False
-    stale = any(d.state is State.STALE for _, d in p.entries()) or (
-        ep is not None and any(d.state is State.STALE for _, d in ep.entries()))
-    if not dry and not opts.yes and stale:
+    # Only a question needs to know whether anything is stale: a dry run and --yes skip the pass over every entry.
+    if not dry and not opts.yes and _any_stale(p, ep):
         dry = confirm is None or not _ask(confirm, p, ep)
         declined = dry
 

@@ -76,11 +76,20 @@ class Candidate(NamedTuple):
     bind_errno: str | None = None
     by_shape: bool = False         # a segment found only by its shape: nothing names it
 
-    def walk(self) -> Iterable[Candidate]:
-        """This candidate and every candidate below it, children first."""
+    def walk(self) -> list[Candidate]:
+        """This candidate and every candidate below it, children first.
+
+        A list, not a generator: a gc walks every tree two or three times, and
+        resuming a chain of nested generators per entry cost more than the list.
+        """
+        out: list[Candidate] = []
         for child in self.children:
-            yield from child.walk()
-        yield self
+            if child.children:
+                out += child.walk()
+            else:
+                out.append(child)
+        out.append(self)
+        return out
 
 
 @dataclass

@@ -127,3 +127,35 @@ def test_entry_rows_write_what_json_dumps_writes(node, uniq: str) -> None:
     doc = {"a": 1, "entries": rows, "nested": {"gc": {"entries": rows}}, "x": [1.5, None]}
     plain_doc = {"a": 1, "entries": plain, "nested": {"gc": {"entries": plain}}, "x": [1.5, None]}
     assert documents.json_text(doc) == json.dumps(plain_doc, separators=(",", ":"))
+
+
+def test_entry_rows_are_the_rows_whichever_way_they_are_read(node) -> None:
+    """EntryRows makes its dicts only when read as a list: every way of reading it, the first, sees them all."""
+    import copy
+    import json
+    import pickle
+
+    layout, _ = node
+    report = run_gc(GcOptions(layout=layout, grace=0.0, dry_run=True)).report
+    plain = [e.to_dict() for e in report.entries]
+    assert len(plain) > 2
+    reads = {
+        "json.dumps, C encoder": lambda r: json.loads(json.dumps(r)),
+        "json.dumps, indented (the terminal's)": lambda r: json.loads(json.dumps(r, indent=2)),
+        "list()": list, "sorted()": lambda r: sorted(r, key=plain.index),
+        "index": lambda r: [r[i] for i in range(len(plain))], "slice": lambda r: r[:],
+        "==": lambda r: plain if r == plain and plain == r and not r != plain else [],
+        "in": lambda r: [row for row in plain if row in r], "reversed()": lambda r: list(reversed(r))[::-1],
+        "copy.deepcopy": lambda r: list(copy.deepcopy(r)), "copy()": lambda r: r.copy(),
+        "pickle": lambda r: list(pickle.loads(pickle.dumps(r))),
+        "+": lambda r: r + [], "append": lambda r: (r.append({"x": 1}), list(r)[:-1])[1],
+    }
+    for what, read in reads.items():
+        assert read(documents.EntryRows(report.entries)) == plain, what
+    assert len(documents.EntryRows(report.entries)) == len(plain) and bool(documents.EntryRows(report.entries))
+    rows = documents.EntryRows(report.entries)
+    rows += [{"kind": "vllm_rpc"}]
+    assert rows.json() == json.dumps(plain + [{"kind": "vllm_rpc"}], separators=(",", ":"))
+    assert len(rows) == len(plain) + 1
+    empty = documents.EntryRows([])
+    assert (empty.json(), json.dumps(empty), len(empty), bool(empty)) == ("[]", "[]", 0, False)

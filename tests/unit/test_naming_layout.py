@@ -30,6 +30,14 @@ def test_hash_is_upstreams() -> None:
     assert naming.socket_dir_name("kvcached_vLLM_12345") == "kvcached-tp-kvcached_vLLM_12345-9bc83684"
 
 
+def test_socket_hash_is_upstreams_uuid5() -> None:
+    """The directory suffix is the first 8 hex digits of uuid5(NAMESPACE_DNS, name), whichever SHA-1 computes it."""
+    import uuid
+
+    for name in ("n", "kvcached_vLLM_12345", "ünïcode_ok-1", "a" * 64, "x.y-z_0"):
+        assert naming.socket_hash(name) == str(uuid.uuid5(uuid.NAMESPACE_DNS, name))[:8], name
+
+
 def test_forward_paths() -> None:
     lay = Layout("/r")
     assert lay.segment_path("n") == "/r/dev/shm/n"
