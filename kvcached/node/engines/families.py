@@ -72,8 +72,8 @@ FAMILIES: tuple[Family, ...] = (
     _f(EngineKind.VLLM_IPC, Engine.VLLM, Where.RPC, Evidence.BINDING,
        rf"{_HEX}{{8}}-{_HEX}{{4}}-4{_HEX}{{3}}-[89ab]{_HEX}{{3}}-{_HEX}{{12}}",
        "vLLM's ZMQ IPC sockets"),
-    # PortArgs (srt/server_args.py), the tokenizer workers and the metrics reporter name their ZMQ endpoints
-    # f"ipc://{tempfile.NamedTemporaryFile(delete=False).name}": tempfile.template "tmp", then 8 characters of
+    # PortArgs (srt/server_args.py), the multi-tokenizer and detokenizer workers and the forward-pass metrics
+    # reporter name their ZMQ endpoints f"ipc://{tempfile.NamedTemporaryFile(delete=False).name}": "tmp", then 8 of
     # _RandomNameSequence.characters (CPython 3.11), in tempfile.gettempdir(). zmq replaces the empty file with
     # the socket; a name zmq never bound stays a regular file, which the RPC scan never takes.
     _f(EngineKind.SGLANG_IPC, Engine.SGLANG, Where.RPC, Evidence.BINDING, r"tmp[a-z0-9_]{8}",
