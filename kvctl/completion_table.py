@@ -179,10 +179,11 @@ SPECS = {
             {'names': ['--min-age'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
              'help': 'Grace age: what changed more recently is young, never removed (0, 90, 90s, 10m, 2h, 1d).'},
             {'names': ['--kind'], 'value': True, 'multiple': True, 'hidden': False,
-             'complete': ('segment', 'socket', 'directory', 'vllm-shm', 'vllm-ipc', 'sglang-shm', 'nccl-shm',
-                          'cuda-shm'),
+             'complete': ('segment', 'socket', 'directory', 'vllm-shm', 'vllm-ipc', 'sglang-shm', 'sglang-ipc',
+                          'nccl-shm', 'cuda-shm'),
              'help': 'Only these kinds: segment, socket (with their directories), directory; or engine '
-                     'leftovers: vllm-shm, vllm-ipc, sglang-shm, nccl-shm, cuda-shm (these imply --engines).'},
+                     'leftovers: vllm-shm, vllm-ipc, sglang-shm, sglang-ipc, nccl-shm, cuda-shm (these imply '
+                     '--engines).'},
             {'names': ['--engines'], 'value': False, 'multiple': False, 'hidden': False, 'complete': None,
              'help': "Also the engines' own leftovers (vLLM's psm_* buffers and ZMQ sockets, SGLang's, NCCL's, "
                      "CUDA IPC's): removed when provably dead, each on its own evidence. Takes no NAME."},

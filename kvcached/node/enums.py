@@ -56,6 +56,7 @@ class EngineKind(StrEnum):
     VLLM_SHM = "vllm-shm"      # vLLM's /dev/shm buffers (psm_*, vllm_mm_*, offload and encoder cache regions)
     VLLM_IPC = "vllm-ipc"      # vLLM's ZMQ IPC sockets (/tmp/<uuid4>, VLLM_RPC_BASE_PATH)
     SGLANG_SHM = "sglang-shm"  # sgl_shm_*, multi_tokenizer_args_*, sglang_loads_*
+    SGLANG_IPC = "sglang-ipc"  # SGLang's ZMQ IPC sockets (/tmp/tmp<8 of tempfile's characters>)
     NCCL_SHM = "nccl-shm"      # nccl-*
     CUDA_SHM = "cuda-shm"      # cuda.shm.*
 

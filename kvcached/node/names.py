@@ -102,6 +102,8 @@ def deployment_names(root: str = "/") -> set[str]:
 ENGINE_SHM_PREFIXES = ("psm_", "vllm_mm_", "vllm_offload_", "vllm_ec_", "sgl_shm_", "multi_tokenizer_args_",
                        "sglang_loads_", "nccl-", "cuda.shm.")
 _UUID_LEN = 36
+# SGLang's ZMQ sockets: tempfile's names, "tmp" and 8 characters (families.py).
+_TEMPFILE_PREFIX, _TEMPFILE_LEN = "tmp", 11
 
 
 def rpc_dirs(root: str = "/", environ: dict[str, str] | None = None) -> tuple[str, ...]:
@@ -120,6 +122,13 @@ def _listed(directory: str) -> list[os.DirEntry[str]]:
         return []
 
 
+def _rpc_shaped(name: str) -> bool:
+    """Whether `name` has the length and fixed characters of an RPC family's names (the pattern decides)."""
+    if len(name) == _UUID_LEN:
+        return name[8] == "-"
+    return len(name) == _TEMPFILE_LEN and name.startswith(_TEMPFILE_PREFIX)
+
+
 def engine_leftover_count(root: str = "/", rpc_dirs: tuple[str, ...] = (), exclude: frozenset[str] = frozenset()
                           ) -> int:
     """How many entries under `root` carry an engine family's name (`exclude`: /dev/shm names kvcached took).
@@ -130,9 +139,10 @@ def engine_leftover_count(root: str = "/", rpc_dirs: tuple[str, ...] = (), exclu
     """
     tmp, shm = node_dirs(root)
     shm_names = [e.name for e in _listed(shm) if e.name.startswith(ENGINE_SHM_PREFIXES) and e.name not in exclude]
-    # vLLM's ZMQ sockets are named by a uuid4; the entry's d_type tells a directory or a file without a stat.
+    # vLLM's ZMQ sockets are named by a uuid4, SGLang's by tempfile; the entry's d_type tells a directory or a
+    # file without a stat (tempfile's names are mostly files: mkstemp's, and those SGLang never bound).
     rpc_names = [e.name for d in (tmp, *rpc_dirs) for e in _listed(d)
-                 if len(e.name) == _UUID_LEN and e.name[8] == "-"
+                 if _rpc_shaped(e.name)
                  and not e.is_dir(follow_symlinks=False) and not e.is_file(follow_symlinks=False)]
     if not shm_names and not rpc_names:
         return 0

@@ -32,6 +32,7 @@ class KindChoice(StrEnum):
     VLLM_SHM = "vllm-shm"
     VLLM_IPC = "vllm-ipc"
     SGLANG_SHM = "sglang-shm"
+    SGLANG_IPC = "sglang-ipc"
     NCCL_SHM = "nccl-shm"
     CUDA_SHM = "cuda-shm"
 
@@ -178,7 +179,8 @@ def gc(
         Optional[list[KindChoice]],
         typer.Option("--kind", metavar="KIND",
                      help="Only these kinds: segment, socket (with their directories), directory; or engine "
-                     "leftovers: vllm-shm, vllm-ipc, sglang-shm, nccl-shm, cuda-shm (these imply --engines)."),
+                     "leftovers: vllm-shm, vllm-ipc, sglang-shm, sglang-ipc, nccl-shm, cuda-shm (these imply "
+                     "--engines)."),
     ] = None,
     engines: Annotated[
         bool,

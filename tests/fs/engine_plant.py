@@ -56,6 +56,8 @@ HOLDER = "import os, sys\nfd = os.open(sys.argv[1], os.O_RDONLY)\n" + READY_THEN
 LISTENER = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\ns.listen(4)\n"
             + READY_THEN_WAIT)
 SLEEPER = "import sys\n" + READY_THEN_WAIT
+# What CPython 3.11's tempfile draws its 8 characters from (SGLang's ZMQ endpoints are tempfile's names).
+TEMPFILE_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"
 
 
 class Children:
@@ -104,7 +106,8 @@ class Node:
     def fresh(self, directory: str, make: str) -> str:
         for _ in range(100):
             name = make.format(hex8=secrets.token_hex(4), alnum6=secrets.token_urlsafe(8)[:6].replace("-", "x")
-                               .replace("_", "y"), uuid=uuid.uuid4())
+                               .replace("_", "y"), uuid=uuid.uuid4(),
+                               tmp8="".join(secrets.choice(TEMPFILE_CHARS) for _ in range(8)))
             if not os.path.lexists(os.path.join(directory, name)):
                 return name
         raise AssertionError("no free name")
@@ -214,6 +217,7 @@ def plant_matrix(n: Node, kids: Children, old: float = OLD) -> tuple[dict[str, t
         assert not os.path.exists(f"/proc/{dead}"), "PID reused at once; rerun"
         want[path] = (stale, R.CREATOR_GONE)
     want[s(n.fresh(n.tmp, "{uuid}"))] = (stale, R.NOT_LISTENING)
+    want[s(n.fresh(n.tmp, "tmp{tmp8}"))] = (stale, R.NOT_LISTENING)  # SGLang's, after its serve was killed
     # live: mapped only, held only, a live creator, a listener
     mapped = f(n.fresh(n.shm, "psm_{hex8}"))
     mapper = kids.spawn(MAPPER, mapped)
@@ -230,11 +234,12 @@ def plant_matrix(n: Node, kids: Children, old: float = OLD) -> tuple[dict[str, t
     creator = kids.spawn(SLEEPER)
     for make in (f"sgl_shm_mm_{creator.pid}_{{hex8}}", f"multi_tokenizer_args_{creator.pid}"):
         want[f(n.fresh(n.shm, make))] = (live, R.CREATOR_ALIVE)  # backdated mtime; its ctime is now
-    listening = os.path.join(n.tmp, n.fresh(n.tmp, "{uuid}"))
-    n.planted.append(listening)
-    kids.spawn(LISTENER, listening)
-    backdate(listening, old)
-    want[listening] = (live, R.LISTENING)
+    for make in ("{uuid}", "tmp{tmp8}"):
+        listening = os.path.join(n.tmp, n.fresh(n.tmp, make))
+        n.planted.append(listening)
+        kids.spawn(LISTENER, listening)
+        backdate(listening, old)
+        want[listening] = (live, R.LISTENING)
     # young (not a psm_ name: a concurrent suite's sweep of its own vLLM buffers, tests/conftest.py, removes
     # unused psm_ files that appeared during it; dead, mapped and non-regular psm_ entries are safe from it)
     want[f(n.fresh(n.shm, "vllm_mm_" + "B" * 14 + "{hex8}"), age=0)] = (State.YOUNG, R.YOUNG)
@@ -269,6 +274,10 @@ def plant_matrix(n: Node, kids: Children, old: float = OLD) -> tuple[dict[str, t
                                                   "cuda.shm.{hex8}", "multi_tokenizer_args_0{hex8}")]
     extra.append(s(n.fresh(n.tmp, "{uuid}.sock")))
     extra.append(f(n.fresh(n.tmp, "{uuid}"), directory=n.tmp))  # a regular file named by a uuid4
+    # SGLang's empty tempfile that zmq never bound: a name only, no evidence either way
+    extra.append(n.file(n.fresh(n.tmp, "tmp{tmp8}"), age=old, nbytes=0, directory=n.tmp))
+    # one character off tempfile's shape: 9 after tmp, 7, an uppercase one, an uppercase prefix
+    extra += [s(n.fresh(n.tmp, make)) for make in ("tmp{tmp8}x", "tmp{alnum6}0", "tmp{alnum6}Z_", "TMP{tmp8}")]
     extra += [target, other_name, sock_target]
     return want, list(want) + extra
 

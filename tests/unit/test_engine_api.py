@@ -49,6 +49,23 @@ def test_the_cheap_prefixes_cover_every_family_in_dev_shm() -> None:
         assert literal.startswith(ENGINE_SHM_PREFIXES), (literal, fam.pattern)
 
 
+def test_the_cheap_rpc_shape_covers_every_family_in_rpc_dirs() -> None:
+    """names.engine_leftover_count skips RPC names of another length or prefix: real names of each family pass."""
+    import tempfile
+    import uuid
+
+    from kvcached.node.engines.families import FAMILIES, EngineKind, Where, match_name
+    from kvcached.node.names import _rpc_shaped
+
+    assert {f.kind for f in FAMILIES if f.where is Where.RPC} == {EngineKind.VLLM_IPC, EngineKind.SGLANG_IPC}
+    sequence = tempfile._get_candidate_names()  # type: ignore[attr-defined]  # what mkstemp draws from
+    names = [str(uuid.uuid4()) for _ in range(50)] + [tempfile.template + next(sequence) for _ in range(50)]
+    for n in names:
+        assert match_name(Where.RPC, n) is not None, n
+        assert _rpc_shaped(n), n
+    assert not _rpc_shaped("tmpab12cd_99") and not _rpc_shaped("xmpab12cd_9")
+
+
 def test_gc_kind_choices_are_kvcacheds_kinds_and_the_engine_kinds() -> None:
     from kvcached.node.enums import EngineKind, Kind
     from kvctl.commands.gc import NODE_KIND, KindChoice

@@ -7,7 +7,7 @@ import pytest
 from kvcached.node.decide import Policy, State
 from kvcached.node.engines.decide import EngineDecision, EngineReason, decide_engine, settle_groups
 from kvcached.node.engines.evidence import Blind, EngineEvidence, Proc
-from kvcached.node.engines.families import EngineKind, Where, match_name
+from kvcached.node.engines.families import Engine, EngineKind, Where, match_name
 from kvcached.node.engines.scan import EngineCandidate
 from kvcached.node.scan import FileType
 from kvcached.node.sockdiag import Bind
@@ -38,6 +38,7 @@ LOADS = cand("sglang_loads_default_0a1b2c3d.shm")
 SGL = cand("sgl_shm_mm_4242_deadbeef")
 ARGS = cand("multi_tokenizer_args_4242")
 IPC = cand("0a1b2c3d-e4f5-4a6b-8c7d-e8f9a0b1c2d3", Where.RPC, mode=0o755, size=0, allocated=0)
+SGL_IPC = cand("tmpab12cd_9", Where.RPC, ident=(1, 200), mode=0o755, size=0, allocated=0)
 EV = EngineEvidence()
 SHM_FILES = [PSM, NCCL, CUDA, LOADS, SGL, ARGS]
 
@@ -125,6 +126,23 @@ CASES = [
     ("ipc unknown: not tested", IPC._replace(bind=None), EV, ROOT, State.UNKNOWN, EngineReason.NOT_TESTED),
     ("ipc: a symlink", IPC._replace(ftype=FileType.SYMLINK), EV, ROOT, State.FOREIGN, EngineReason.SYMLINK),
     ("ipc: another user's, not root", IPC._replace(uid=1001), EV, USER, State.FOREIGN, EngineReason.OTHER_USER),
+    # SGLang's ZMQ IPC sockets (tempfile's names): the same evidence as vLLM's, their own identity
+    ("sglang ipc live: listed by identity", SGL_IPC, ev(listeners={SGL_IPC.ident: (5,)}), USER, State.LIVE,
+     EngineReason.LISTENING),
+    ("sglang ipc stale: only another socket is listed", SGL_IPC, ev(listeners={IPC.ident: (5,)}), USER,
+     State.STALE, EngineReason.NOT_LISTENING),
+    ("sglang ipc live: bound, not yet listening", SGL_IPC._replace(bind=Bind.BOUND), EV, USER, State.LIVE,
+     EngineReason.BOUND),
+    ("sglang ipc stale: nothing bound", SGL_IPC, EV, USER, State.STALE, EngineReason.NOT_LISTENING),
+    ("sglang ipc young", SGL_IPC._replace(mtime=NOW - 1), EV, USER, State.YOUNG, EngineReason.YOUNG),
+    ("sglang ipc unknown: not tested", SGL_IPC._replace(bind=None), EV, ROOT, State.UNKNOWN,
+     EngineReason.NOT_TESTED),
+    ("sglang ipc: the empty file zmq never bound is a name only", SGL_IPC._replace(ftype=FileType.REGULAR,
+     bind=None), EV, ROOT, State.FOREIGN, EngineReason.WRONG_TYPE),
+    ("sglang ipc: a symlink", SGL_IPC._replace(ftype=FileType.SYMLINK, bind=None), EV, ROOT, State.FOREIGN,
+     EngineReason.SYMLINK),
+    ("sglang ipc: another user's, not root", SGL_IPC._replace(uid=1001), EV, USER, State.FOREIGN,
+     EngineReason.OTHER_USER),
 ]
 
 
@@ -183,5 +201,7 @@ def test_foreign_members_are_no_evidence_and_stale_regions_stay_stale() -> None:
 
 
 def test_the_family_kinds_are_the_documented_ones() -> None:
-    assert [str(k) for k in EngineKind] == ["vllm-shm", "vllm-ipc", "sglang-shm", "nccl-shm", "cuda-shm"]
-    assert {c.kind for c in SHM_FILES} | {IPC.kind} == set(EngineKind)
+    assert [str(k) for k in EngineKind] == ["vllm-shm", "vllm-ipc", "sglang-shm", "sglang-ipc", "nccl-shm",
+                                            "cuda-shm"]
+    assert {c.kind for c in SHM_FILES} | {IPC.kind, SGL_IPC.kind} == set(EngineKind)
+    assert (IPC.kind, SGL_IPC.kind, SGL_IPC.engine) == (EngineKind.VLLM_IPC, EngineKind.SGLANG_IPC, Engine.SGLANG)

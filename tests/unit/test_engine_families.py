@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import uuid
 from multiprocessing import shared_memory
 
@@ -29,6 +30,28 @@ def test_cpython_shared_memory_names_are_vllm_buffers() -> None:
         finally:
             shm.close()
             shm.unlink()
+
+
+def test_tempfile_names_are_sglang_sockets(tmp_path) -> None:
+    """Names from CPython's own NamedTemporaryFile(delete=False), the call SGLang's PortArgs names endpoints with."""
+    for _ in range(200):
+        f = tempfile.NamedTemporaryFile(dir=tmp_path, delete=False)
+        f.close()
+        assert os.path.dirname(f.name) == str(tmp_path)
+        assert _kind(Where.RPC, os.path.basename(f.name)) is EngineKind.SGLANG_IPC, f.name
+        assert match_name(Where.SHM, os.path.basename(f.name)) is None
+
+
+def test_the_sglang_pattern_is_exactly_tempfiles_alphabet() -> None:
+    """tempfile's template and every character its name sequence draws from, and nothing else (CPython 3.11)."""
+    assert tempfile.template == "tmp"
+    alphabet = tempfile._RandomNameSequence.characters  # type: ignore[attr-defined]
+    assert alphabet == "abcdefghijklmnopqrstuvwxyz0123456789_"
+    for ch in alphabet:
+        assert _kind(Where.RPC, "tmp" + ch * 8) is EngineKind.SGLANG_IPC, ch
+    for ch in map(chr, range(33, 127)):
+        if ch not in alphabet:
+            assert match_name(Where.RPC, "tmp" + ch * 8) is None, ch
 
 
 _VLLM_NAMES = r"""
@@ -71,6 +94,8 @@ def test_vllm_033_generates_names_that_match() -> None:
     (Where.SHM, "nccl-Ab3dE9", EngineKind.NCCL_SHM, None, None),
     (Where.SHM, "cuda.shm.3e9.52f2.1", EngineKind.CUDA_SHM, None, None),
     (Where.RPC, str(uuid.UUID(int=0x1234, version=4)), EngineKind.VLLM_IPC, None, None),
+    (Where.RPC, "tmpab12cd_9", EngineKind.SGLANG_IPC, None, None),
+    (Where.RPC, "tmp________", EngineKind.SGLANG_IPC, None, None),
 ])
 def test_real_shapes_match(where: Where, name: str, kind: EngineKind, pid: int | None, group: str | None) -> None:
     m = match_name(where, name)
@@ -127,6 +152,17 @@ def test_lookalikes_in_dev_shm_never_match(name: str) -> None:
     "12345678-1234-4234-c234-123456789abc",           # not the RFC 4122 variant uuid4() sets
     "12345678-1234-4234-8234-123456789ab",            # one digit short
     socket_dir_name("kvcached_vLLM_4242"),
+    "tmpab12cd_",                                     # tempfile always draws 8 characters
+    "tmpab12cd_99",
+    "tmpAB12CD_9",                                    # its alphabet is lowercase
+    "tmpab12cD_9",
+    "TMPab12cd_9",
+    "tmpab12cd-9",
+    "tmpab12cd.9",
+    "tmpab12cd_9.sock",
+    "tmp-ab12cd_9",
+    "tmp",
+    "pymp-ab12cd_9",                                  # multiprocessing's directories: another prefix
 ])
 def test_lookalikes_in_rpc_dirs_never_match(name: str) -> None:
     assert match_name(Where.RPC, name) is None
@@ -135,6 +171,16 @@ def test_lookalikes_in_rpc_dirs_never_match(name: str) -> None:
 def test_a_shm_name_is_not_an_rpc_name_and_back() -> None:
     assert match_name(Where.RPC, "psm_0a1b2c3d") is None
     assert match_name(Where.SHM, str(uuid.uuid4())) is None
+    assert match_name(Where.SHM, "tmpab12cd_9") is None
+
+
+def test_sglang_ipc_is_sglangs_and_proven_by_a_binding() -> None:
+    m = match_name(Where.RPC, "tmpab12cd_9")
+    assert m is not None
+    fam = m.family
+    assert (fam.kind, fam.engine, fam.where, fam.evidence) == (EngineKind.SGLANG_IPC, Engine.SGLANG, Where.RPC,
+                                                               Evidence.BINDING)
+    assert (m.creator_pid, m.group) == (None, None)
 
 
 def test_every_kind_and_engine_has_a_family() -> None:

@@ -11,8 +11,8 @@ Modules, in the order a run uses them:
 - `families`: the name patterns, each as tight as the real names allow, and
   the evidence each family carries (`Evidence`): users only (vLLM buffers,
   NCCL, CUDA IPC: live while a process maps it or holds it open), a creator
-  PID in the name as well (SGLang), or a bound socket (vLLM's ZMQ IPC). A name
-  that matches no family is never looked at again. The kinds (`EngineKind`)
+  PID in the name as well (SGLang), or a bound socket (vLLM's and SGLang's
+  ZMQ IPC). A name that matches no family is never looked at again. The kinds (`EngineKind`)
   and engines (`Engine`) are the node layer's enums (kvcached/node/enums.py).
 - `scan`: one listing of /dev/shm and of each RPC directory (/tmp, or
   VLLM_RPC_BASE_PATH) through directory fds, never following a link; one

@@ -2,7 +2,7 @@
 
 Each pattern is as tight as the code that makes the names allows (read from
 the installed sources: CPython 3.11's multiprocessing.shared_memory, vLLM
-0.33, SGLang's make_shm_name and load snapshots, NCCL's shmutils.cc). A name
+0.33, SGLang's make_shm_name, load snapshots and ZMQ endpoints, NCCL's shmutils.cc). A name
 that matches none of them is never touched, however much it looks like one.
 """
 
@@ -19,7 +19,7 @@ class Where(StrEnum):
     """Which directory a family lives in."""
 
     SHM = "shm"  # /dev/shm
-    RPC = "rpc"  # /tmp, or VLLM_RPC_BASE_PATH
+    RPC = "rpc"  # /tmp, or VLLM_RPC_BASE_PATH: where the engines bind their ZMQ IPC sockets
 
 
 class Evidence(StrEnum):
@@ -72,6 +72,12 @@ FAMILIES: tuple[Family, ...] = (
     _f(EngineKind.VLLM_IPC, Engine.VLLM, Where.RPC, Evidence.BINDING,
        rf"{_HEX}{{8}}-{_HEX}{{4}}-4{_HEX}{{3}}-[89ab]{_HEX}{{3}}-{_HEX}{{12}}",
        "vLLM's ZMQ IPC sockets"),
+    # PortArgs (srt/server_args.py), the multi-tokenizer and detokenizer workers and the forward-pass metrics
+    # reporter name their ZMQ endpoints f"ipc://{tempfile.NamedTemporaryFile(delete=False).name}": "tmp", then 8 of
+    # _RandomNameSequence.characters (CPython 3.11), in tempfile.gettempdir(). zmq replaces the empty file with
+    # the socket; a name zmq never bound stays a regular file, which the RPC scan never takes.
+    _f(EngineKind.SGLANG_IPC, Engine.SGLANG, Where.RPC, Evidence.BINDING, r"tmp[a-z0-9_]{8}",
+       "SGLang's ZMQ IPC sockets"),
     # make_shm_name: f"sgl_shm_{kind}_{os.getpid()}_{uuid4().hex[:8]}"; the PID is the second-to-last field.
     _f(EngineKind.SGLANG_SHM, Engine.SGLANG, Where.SHM, Evidence.CREATOR,
        rf"sgl_shm_[A-Za-z0-9_.-]*?_(?P<pid>[1-9][0-9]{{0,9}})_{_HEX}{{8}}",

@@ -146,8 +146,10 @@ def scan_engine_state(layout: Layout, facts: Facts | None = None, rpc_dirs: Iter
     type is reported as foreign), except kvcached's own segments (`kvcached`:
     the names kvcached_names() finds, by default; and 24-byte files that plain
     gc recognises by their mark or shape). In an RPC directory only socket
-    nodes and symbolic links are: directories and files named by a uuid4 are
-    made by many programs and are no engine's. With `facts`, a socket node
+    nodes and symbolic links are: directories and files named by a uuid4 or
+    by tempfile (tmp + 8) are made by many programs and are no engine's (an
+    empty tmp* file SGLang made but zmq never bound carries no evidence
+    either: a name only). With `facts`, a socket node
     that no listing shows gets the passive bind test.
     """
     out = EngineScan()
