@@ -67,12 +67,16 @@ class Children:
         self.procs: list[subprocess.Popen[str]] = []
 
     def spawn(self, script: str, *args: str, user: int | None = None) -> subprocess.Popen[str]:
+        # stderr to a pipe: these children write to it only when they fail, and then the test says why.
         p = subprocess.Popen([sys.executable, "-c", script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, user=user)
+                             stderr=subprocess.PIPE, text=True, user=user)
         self.procs.append(p)
-        assert p.stdout is not None
+        assert p.stdout is not None and p.stderr is not None
         line = p.stdout.readline().strip()
-        assert line == "ready", f"child said {line!r} (exit {p.poll()})"
+        if line != "ready":
+            p.kill()
+            code = p.wait()
+            raise AssertionError(f"child said {line!r} (exit {code}): {p.stderr.read()[-2000:]!r}")
         return p
 
     def dead_pid(self) -> int:
