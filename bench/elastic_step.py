@@ -197,7 +197,7 @@ def counting(pool: Any) -> dict[str, int]:
 
 # Where kvcached's share of an elastic step goes, by function (the rest of kvcached's functions: "other").
 GROUPS = {
-    "limit read (one pread per step)": ("read", "_open_checked", "close"),
+    "limit read (once per step)": ("read", "_open_checked", "close"),
     "step hooks (wrappers, begin/end_step, in-flight batches)": (
         "schedule", "update_from_output", "_scheduled", "_updated", "_bind_steps",
         "_schedule", "_update_from_output", "_finish_requests", "elastic_pool", "begin_step", "end_step",

@@ -23,6 +23,7 @@
 
 #include "backend.h"
 #include "dlpack_abi.h"
+#include "mapped_word.h"
 
 namespace {
 
@@ -917,7 +918,8 @@ PyMODINIT_FUNC PyInit__kvpages(void) {
   }
   if (PyModule_AddObjectRef(m, "PageRange",
                             reinterpret_cast<PyObject*>(&PageRangeType)) < 0 ||
-      PyModule_AddIntConstant(m, "DEFAULT_PAGE_SIZE", kDefaultPageSize) < 0) {
+      PyModule_AddIntConstant(m, "DEFAULT_PAGE_SIZE", kDefaultPageSize) < 0 ||
+      kvpages::AddMappedWord(m) < 0) {
     Py_DECREF(m);
     return nullptr;
   }

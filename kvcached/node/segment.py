@@ -8,7 +8,9 @@ import os
 import stat
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from .errors import NotASegment, SegmentBusy, SegmentMissing
 
@@ -194,42 +196,95 @@ def has_mark(name: str, dir_fd: int) -> bool:
         os.close(fd)
 
 
+class MappedReader(Protocol):
+    """A file's first 8 bytes read through a mapping (the extension's MappedWord)."""
+
+    @property
+    def guarded(self) -> bool:
+        """Whether a truncated file would still be survived (False: stop reading)."""
+
+    def read(self) -> int | None:
+        """The value now; None when the mapping cannot answer (truncated, or never settled)."""
+
+    def close(self) -> None:
+        """Unmap."""
+
+
 class LimitWatch:
     """A segment's limit for a loop that reads it every step (an engine's scheduler).
 
     `read_segment` opens, locks, reads and closes: about 15 us, most of a
     block pool's per-step cost. This keeps the file open and reads the limit
-    with one unlocked ``pread``: a value being rewritten under the
-    writer's lock could be read torn, so a value that changed is taken only
-    once two reads in a row agree. The
-    path is stat'ed at most every `recheck` seconds, so a segment replaced
-    under the same name (a relaunch, upstream's recreate-on-open) is followed
-    to its new inode within that time.
+    without the lock: a value being rewritten under the writer's lock could be
+    read torn, so a value that changed is taken only once two reads in a row
+    agree. The path is stat'ed at most every `recheck` seconds, so a segment
+    replaced under the same name (a relaunch, upstream's recreate-on-open) is
+    followed to its new inode within that time.
+
+    With `mapper` (the extension's MappedWord, which engines pass) a read is a
+    load from a shared mapping of the file, no system call; without it, or
+    once the mapping cannot answer or its SIGBUS guard was replaced, one
+    ``pread``. A mapping that could not answer is made again at the next
+    recheck, from the file then open.
     """
 
-    def __init__(self, path: str, recheck: float = 0.1) -> None:
+    def __init__(self, path: str, recheck: float = 0.1, *,
+                 mapper: Callable[[int], MappedReader] | None = None) -> None:
         self.path = path
         self.recheck = recheck
+        self._mapper = mapper
+        self._word: MappedReader | None = None
         self._fd: int | None = None
         self._ident: tuple[int, int] | None = None
         self._recheck_at = float("-inf")  # when the path is stat'ed next (at once while no file is open)
-        self._last = b""
+        self._last: bytes | None = None  # the 8 bytes the last pread took the value from
         self._value = 0
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the next read is a load from the mapping (no system call)."""
+        return self._word is not None
 
     def read(self) -> int:
         """The limit (total) now; raises SegmentMissing / NotASegment like `read_segment`."""
         now = time.monotonic()
         if now >= self._recheck_at:
+            self._recheck(now)
+        word = self._word
+        if word is not None:
+            value = word.read()
+            if value is not None:
+                return value
+            self._unmap()  # truncated, or rewritten all along: pread decides, as without a mapping
+        return self._pread()
+
+    def _recheck(self, now: float) -> None:
+        """Stat the path: follow a replaced segment, and (re)map or stop mapping."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            self.close()
+            raise SegmentMissing(self.path) from None
+        if (st.st_dev, st.st_ino) != self._ident:
+            self.close()
+            self._fd = _open_checked(self.path, os.O_RDONLY)
+            self._ident = (st.st_dev, st.st_ino)
+        self._recheck_at = now + self.recheck
+        if self._mapper is None:
+            return
+        if self._word is not None:
+            if not self._word.guarded:
+                # A later SIGBUS handler took over: a truncated file would now kill the engine.
+                self._unmap()
+                self._mapper = None
+            return
+        if st.st_size == SEGMENT_SIZE and self._fd is not None:
             try:
-                st = os.stat(self.path, follow_symlinks=False)
-            except FileNotFoundError:
-                self.close()
-                raise SegmentMissing(self.path) from None
-            if (st.st_dev, st.st_ino) != self._ident:
-                self.close()
-                self._fd = _open_checked(self.path, os.O_RDONLY)
-                self._ident = (st.st_dev, st.st_ino)
-            self._recheck_at = now + self.recheck
+                self._word = self._mapper(self._fd)
+            except OSError:
+                self._mapper = None  # cannot map here (or the guard was replaced): pread from now on
+
+    def _pread(self) -> int:
         assert self._fd is not None
         raw = os.pread(self._fd, 8, 0)
         if raw == self._last:
@@ -245,8 +300,14 @@ class LimitWatch:
             raw = again
         return read_segment(self.path).total  # rewritten all along: take the lock after all
 
+    def _unmap(self) -> None:
+        if self._word is not None:
+            self._word.close()
+            self._word = None
+
     def close(self) -> None:
-        """Close the file (idempotent)."""
+        """Close the file and its mapping (idempotent)."""
+        self._unmap()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

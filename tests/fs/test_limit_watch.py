@@ -68,3 +68,45 @@ def test_sglang_rank0_source_waits_for_the_segment_and_survives_a_planted_file(t
     assert _open_fds() == before
     source.close()
     planted.close()
+
+
+def _mapper():
+    try:
+        from kvcached.runtime._kvpages import MappedWord
+    except ImportError:
+        pytest.skip("kvcached.runtime._kvpages is not built (pip install -e . compiles it from csrc/)")
+    return MappedWord
+
+
+def test_a_mapped_watch_follows_the_limit_a_truncation_and_a_replacement(tmp_path) -> None:
+    path = str(tmp_path / "seg")
+    create_segment(path, 1000)
+    watch = LimitWatch(path, recheck=0.0, mapper=_mapper())
+    assert watch.read() == 1000 and watch.mapped
+    write_segment(path, total=2048)
+    assert watch.read() == 2048 and watch.mapped      # kvctl limit, seen through the mapping
+    os.truncate(path, 0)                                # under the mapping: caught, then pread decides
+    with pytest.raises(NotASegment):
+        watch.read()
+    assert not watch.mapped
+    os.truncate(path, 24)
+    write_segment(path, total=64)
+    assert watch.read() == 64 and watch.mapped          # mapped again at the next recheck
+    os.unlink(path)
+    create_segment(path, 77)
+    assert watch.read() == 77 and watch.mapped          # the new inode, mapped
+    watch.close()
+    assert not watch.mapped
+
+
+def test_the_engines_map_their_limit_when_the_extension_is_built(tmp_path) -> None:
+    from kvcached.integration.limits import limit_mapper
+    from kvcached.integration.sglang.elastic_step import SegmentLimit
+
+    assert limit_mapper() is _mapper()
+    path = str(tmp_path / "seg")
+    create_segment(path, 4096)
+    source = SegmentLimit(path)
+    assert source.read() == 4096
+    assert source._watch is not None and source._watch.mapped
+    source.close()

@@ -4,8 +4,8 @@ Every TP rank's scheduler runs the same loop on the same broadcast requests,
 so every rank's allocator makes the same alloc and free calls. What could
 still tell them apart is what each would read for itself: the segment's
 limit (written by `kvctl limit` at any moment) and the clock (the release
-delay). So at each step boundary TP rank 0 alone reads the limit (one
-``pread``, `LimitWatch`) and its clock, and broadcasts them, with whether its
+delay). So at each step boundary TP rank 0 alone reads the limit (a load
+from the mapped segment, `LimitWatch`) and its clock, and broadcasts them, with whether its
 scheduler is idle, on the TP group's CPU (gloo) group, the group SGLang
 broadcasts its requests on; every rank then decides from the same three
 numbers and its own, identical, allocator state. The first exchange also
@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from ...node.errors import KvcachedError, SegmentMissing
 from ...node.segment import LimitWatch, write_segment
+from ..limits import limit_mapper
 
 log = logging.getLogger("kvcached.integration.sglang.elastic")
 
@@ -70,7 +71,7 @@ def _deployment_segment() -> str | None:
 
 
 class SegmentLimit:
-    """Rank 0's segment: the limit, read with one pread per step, and the usage it publishes.
+    """Rank 0's segment: the limit, read once per step without a system call, and the usage it publishes.
 
     `path` None: the deployment's segment (`_deployment_segment`), looked up
     again at each read until one can be opened; until then there is no limit
@@ -96,7 +97,7 @@ class SegmentLimit:
         path = self.path or self._locate()
         if path is None:
             return None
-        watch = LimitWatch(path)
+        watch = LimitWatch(path, mapper=limit_mapper())
         try:
             value = watch.read()
         except (KvcachedError, OSError) as e:

@@ -56,6 +56,7 @@ from typing import Any
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
+from kvcached.integration.limits import limit_mapper
 from kvcached.node.errors import KvcachedError, SegmentMissing
 from kvcached.node.segment import LimitWatch, write_segment
 from kvcached.runtime.kvbuffer import LinkSetup, WorkerLink
@@ -135,7 +136,8 @@ class ElasticBlockPool(BlockPool):
         agreed = elastic.agreed
         self.link = elastic.link
         self.segment_path = elastic.segment_path
-        self._limit_watch = LimitWatch(elastic.segment_path) if elastic.segment_path else None
+        self._limit_watch = LimitWatch(elastic.segment_path, mapper=limit_mapper()) \
+            if elastic.segment_path else None
         self.reserve = max(0, elastic.reserve_pages)
         self.release_delay = max(0.0, elastic.release_delay)
         self.clock = time.monotonic
@@ -374,7 +376,8 @@ class ElasticBlockPool(BlockPool):
     def begin_step(self) -> None:
         """Before the scheduler runs: follow the limit (releasing at once what it no longer allows)."""
         # Once per step, on every serve's path (bench_elastic.py, "scheduler step"): the limit
-        # read is one pread; the rest is done only when the limit moved or pages are waiting.
+        # read is a load from the mapped segment (one pread without the extension); the rest
+        # is done only when the limit moved or pages are waiting.
         watch = self._limit_watch
         if watch is not None:
             try:
