@@ -175,7 +175,8 @@ class Forked:
                 p.kill()
             except psutil.Error:
                 pass
-        wait_for(lambda: not _session(self.pid), timeout=30, interval=0.05)
+        # A zombie is gone: whoever adopted an orphan reaps it in its own time.
+        wait_for(lambda: all(gone(p.pid) for p in _session(self.pid)), timeout=30, interval=0.05)
         self.zygote.status(self.key, 30)
         shutil.rmtree(self._dir, ignore_errors=True)
 
