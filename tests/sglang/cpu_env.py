@@ -41,14 +41,12 @@ def child_env(scratch: str, extra: Mapping[str, str] | None = None) -> dict[str,
     return env
 
 
-def run_python(code: str, scratch: str, *, extra: Mapping[str, str] | None = None,
-               timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
-    """Run `code` in a fresh interpreter with the SGLang child environment; never raises on its exit status."""
-    return Child(code, scratch, extra=extra, timeout=timeout).result()
-
-
 class Child:
     """A fresh interpreter running `code`, started now; its output read when a test asks for it.
+
+    For what only a fresh interpreter shows (tests/sglang/test_install.py: its
+    imports); a snippet that needs only a process of its own forks from the
+    zygote instead (tests/sglang/serves.py's Forked).
 
     Each one that imports SGLang takes about 20 CPU seconds: a module starts
     its children together, so that both cores import while its first test

@@ -20,9 +20,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import textwrap
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,11 +98,14 @@ class Zygote:
                 self._cond.wait(min(left, 1.0))
 
     def fork(self, key: str, argv: list[str], env: dict[str, str], cwd: str, log: str,
-             module: str = "tests.sglang.serve_driver") -> int:
-        """Fork a main running `module`'s main() with `argv` (in its own session); its PID."""
+             module: str = "tests.sglang.serve_driver", *, code: str | None = None, err: str | None = None) -> int:
+        """Fork a main running `module`'s main() (or `code` as __main__) with `argv`, in its own session; its PID."""
         self._wait("start", lambda: self.ready, READY_TIMEOUT)
         assert self.proc.stdin is not None
-        req = {"key": key, "module": module, "argv": argv, "env": env, "cwd": cwd, "log": log}
+        req = {"key": key, "argv": argv, "env": env, "cwd": cwd, "log": log}
+        req.update({"code": code} if code is not None else {"module": module})
+        if err is not None:
+            req["err"] = err
         self.proc.stdin.write((json.dumps(req) + "\n").encode())
         self.proc.stdin.flush()
         self._wait(f"fork of {key}", lambda: "pid" in self.events.get(key, {}), 60)
@@ -122,6 +127,58 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class Forked:
+    """`python -c CODE` in this venv, forked from the zygote instead (its own session): read as cpu_env's Child is.
+
+    Its stdout and stderr go to files of its own, removed once read.
+    """
+
+    count = 0
+
+    def __init__(self, zygote: Zygote, code: str, scratch: str, *, args: Sequence[str] = (),
+                 extra: Mapping[str, str] | None = None, timeout: float = 400.0) -> None:
+        Forked.count += 1
+        self.zygote, self.key, self.timeout = zygote, f"code-{Forked.count}", timeout
+        self._dir = Path(tempfile.mkdtemp(prefix="fork", dir=scratch))
+        self.out_path, self.err_path = self._dir / "out", self._dir / "err"
+        self.pid = zygote.fork(self.key, ["-c", *args], child_env(scratch, extra), scratch, str(self.out_path),
+                               code=textwrap.dedent(code), err=str(self.err_path))
+        self._done: subprocess.CompletedProcess[str] | None = None
+
+    def stdout(self) -> str:
+        """What it printed so far."""
+        return self.out_path.read_text() if self.out_path.exists() else ""
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit status (negative: the signal that ended it), waiting up to `timeout` (default: its own)."""
+        limit = self.timeout if timeout is None else timeout
+        status = self.zygote.status(self.key, limit)
+        assert status is not None, f"{self.key} still runs after {limit:g}s:\n{self.stdout()[-3000:]}"
+        return status
+
+    def result(self) -> subprocess.CompletedProcess[str]:
+        """What it printed and its exit status, once it exited (up to its timeout; then it is killed)."""
+        if self._done is None:
+            try:
+                status = self.wait()
+                self._done = subprocess.CompletedProcess(["-c"], status, self.stdout(), self.err_path.read_text())
+            finally:
+                self.close()
+        return self._done
+
+    def close(self) -> None:
+        """Kill its session if anything of it still runs (a test that failed before reading it); reaped, removed."""
+        for p in _session(self.pid):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        # A zombie is gone: whoever adopted an orphan reaps it in its own time.
+        wait_for(lambda: all(gone(p.pid) for p in _session(self.pid)), timeout=30, interval=0.05)
+        self.zygote.status(self.key, 30)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 @dataclass

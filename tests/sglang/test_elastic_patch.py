@@ -2,7 +2,7 @@
 the elastic pool and allocator, and a shape it does not cover stands aside with a log line.
 
 SGLang's configure runs in a child (tests/sglang/elastic_patch_driver.py says what it stands in for), since the
-runtime context it reads is process-wide.
+runtime context it reads is process-wide: forked from the zygote (tests/sglang/zygote.py), which imported SGLang once.
 """
 
 from __future__ import annotations
@@ -16,15 +16,16 @@ pytest.importorskip("kvcached.runtime._kvpages", reason="kvcached.runtime._kvpag
 pytestmark = [pytest.mark.sglang, pytest.mark.ext]
 
 from . import elastic_support as es  # noqa: E402
-from .cpu_env import last_json, run_python  # noqa: E402
+from .cpu_env import last_json  # noqa: E402
+from .serves import Forked  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def report(sgl_scratch, tmp_path_factory) -> dict:
+def report(zygote, sgl_scratch, tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("elastic-patch-root"))
-    proc = run_python("import runpy; runpy.run_module('tests.sglang.elastic_patch_driver', run_name='__main__')",
-                      sgl_scratch, extra={"KVCACHED_PAGE_SIZE": str(es.PAGE), "KVCACHED_ROOT": root,
-                                          "KVCACHED_IPC_NAME": "elastic-patch-test"}, timeout=600)
+    proc = Forked(zygote, "import runpy; runpy.run_module('tests.sglang.elastic_patch_driver', run_name='__main__')",
+                  sgl_scratch, extra={"KVCACHED_PAGE_SIZE": str(es.PAGE), "KVCACHED_ROOT": root,
+                                      "KVCACHED_IPC_NAME": "elastic-patch-test"}, timeout=600).result()
     assert proc.returncode == 0, proc.stderr[-6000:]
     return last_json(proc)
 

@@ -6,14 +6,13 @@ rank; here both ranks draw the same seeded trace). Only rank 0 can read the
 segment: rank 1's way to it fails if it is ever taken. Rank 0 lowers the
 limit with the real `kvctl limit` mid-run; the step boundary broadcasts the
 limit, the clock and rank 0's idleness on the gloo group, so both ranks map,
-drain and unmap the same groups at the same step.
+drain and unmap the same groups at the same step. Each rank is `python -c`
+forked from the zygote (tests/sglang/zygote.py), which imported SGLang once.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -22,7 +21,7 @@ pytest.importorskip("kvcached.runtime._kvpages", reason="kvcached.runtime._kvpag
 pytestmark = [pytest.mark.sglang, pytest.mark.ext]
 
 from . import elastic_support as es  # noqa: E402
-from .cpu_env import child_env  # noqa: E402
+from .serves import Forked  # noqa: E402
 
 RANK = textwrap.dedent("""
     import json, os, random, subprocess, sys
@@ -73,30 +72,26 @@ RANK = textwrap.dedent("""
 """)
 
 
-def test_two_tp_ranks_keep_identical_page_sets(layout, uniq, sgl_scratch, tmp_path) -> None:
+def test_two_tp_ranks_keep_identical_page_sets(layout, uniq, zygote, sgl_scratch, tmp_path) -> None:
     from kvcached.node.startup import claim_segment
 
     from ..conftest import KVCTL
 
     lease, _, _ = claim_segment(layout, uniq, 64 * es.GROUP_BYTES)
-    env = child_env(sgl_scratch, {"KVCACHED_PAGE_SIZE": str(es.PAGE), "KVCACHED_ELASTIC_RELEASE_DELAY_S": "0",
-                                  "KVCACHED_ELASTIC_RESERVE_PAGES": "0", "KVCACHED_ROOT": layout.root,
-                                  "KVCACHED_IPC_NAME": uniq})
+    env = {"KVCACHED_PAGE_SIZE": str(es.PAGE), "KVCACHED_ELASTIC_RELEASE_DELAY_S": "0",
+           "KVCACHED_ELASTIC_RESERVE_PAGES": "0", "KVCACHED_ROOT": layout.root, "KVCACHED_IPC_NAME": uniq}
     rdv = str(tmp_path / "rendezvous")
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), "2", rdv, outs[r], layout.segment_path(uniq),
-                               uniq, layout.root, KVCTL], env=env, cwd=sgl_scratch, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [Forked(zygote, RANK, sgl_scratch, args=[str(r), "2", rdv, outs[r], layout.segment_path(uniq), uniq,
+                                                     layout.root, KVCTL], extra=env, timeout=900) for r in range(2)]
     try:
-        logs = [p.communicate(timeout=900)[0] for p in procs]
+        done = [p.result() for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            p.close()
         lease.release()
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{log[-6000:]}"
+    for r, p in enumerate(done):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     rank0, rank1 = (json.load(open(o)) for o in outs)
     assert rank0["reads_segment"] and not rank1["reads_segment"]
     assert rank0["refused"] == rank1["refused"] == 0 and rank0["retracted"] == rank1["retracted"]

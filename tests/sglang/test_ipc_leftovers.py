@@ -1,5 +1,7 @@
 """SGLang 0.5.23's own ZMQ IPC endpoints, made and bound by its code in a child, then the child SIGKILLed.
 
+The child is `python -c` forked from the zygote (tests/sglang/zygote.py), which imported SGLang once.
+
 PortArgs.init_new names five endpoints with tempfile.NamedTemporaryFile(delete=False)
 in tempfile.gettempdir(): the child's TMPDIR points it at a private --root's
 /tmp, so kvctl gc --engines sees exactly them. Three are bound through SGLang's
@@ -11,24 +13,21 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from kvcached.node.layout import Layout
+from tests.waiting import wait_for
 
 from ..cli.conftest import invoke
 from ..fs.engine_plant import backdate
-from .cpu_env import child_env
+from .serves import Forked
 
 pytestmark = pytest.mark.sglang
 
 PORT_ARGS = r"""
-import json, sys
+import json, signal
 import zmq
 from sglang.srt.server_args import PortArgs, ServerArgs
 from sglang.srt.utils.network import get_zmq_socket
@@ -39,19 +38,15 @@ names = [args.tokenizer_ipc_name, args.scheduler_input_ipc_name, args.detokenize
 ctx = zmq.Context()
 bound = [get_zmq_socket(ctx, zmq.PULL, endpoint, True) for endpoint in names[:3]]
 print(json.dumps([n.removeprefix("ipc://") for n in names]), flush=True)
-sys.stdin.read()
+signal.pause()  # bound until the test SIGKILLs it
 """
 
 
-def _first_line(p: subprocess.Popen[str], timeout: float) -> str:
-    assert p.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if select.select([p.stdout], [], [], 1.0)[0]:
-            return p.stdout.readline()
-        if p.poll() is not None:
-            break
-    raise AssertionError(f"the SGLang child said nothing within {timeout:g}s (exit {p.poll()})")
+def _first_line(p: Forked, timeout: float) -> str:
+    wait_for(lambda: "\n" in p.stdout() or p.zygote.status(p.key, 0) is not None, timeout=timeout, interval=0.05)
+    out = p.stdout()
+    assert "\n" in out, f"the SGLang child said nothing (exit {p.zygote.status(p.key, 0)}): {p.err_path.read_text()}"
+    return out.splitlines()[0]
 
 
 def _entries(layout: Layout, *args: str) -> dict[str, dict]:
@@ -60,10 +55,9 @@ def _entries(layout: Layout, *args: str) -> dict[str, dict]:
     return {e["path"]: e for e in r.json("gc")["entries"]}
 
 
-def test_sglangs_own_endpoints_kept_while_bound_removed_after_sigkill(layout: Layout, sgl_scratch: str) -> None:
-    p = subprocess.Popen([sys.executable, "-c", PORT_ARGS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True, cwd=sgl_scratch,
-                         env=child_env(sgl_scratch, {"TMPDIR": layout.tmp_dir}))
+def test_sglangs_own_endpoints_kept_while_bound_removed_after_sigkill(layout: Layout, sgl_scratch: str,
+                                                                     zygote) -> None:
+    p = Forked(zygote, PORT_ARGS, sgl_scratch, extra={"TMPDIR": layout.tmp_dir})
     try:
         paths = json.loads(_first_line(p, 400))
         assert [os.path.dirname(x) for x in paths] == [layout.tmp_dir] * 5  # TMPDIR decides where they go
@@ -76,7 +70,7 @@ def test_sglangs_own_endpoints_kept_while_bound_removed_after_sigkill(layout: La
         assert all(seen[x]["pids"] == [p.pid] for x in bound)
         assert not set(files) & set(seen)  # regular files: never candidates
         os.kill(p.pid, signal.SIGKILL)  # as SGLang's kill_process_tree stops its processes
-        p.wait(timeout=30)
+        assert p.wait(30) == -signal.SIGKILL
         assert all(os.path.lexists(x) for x in paths)  # nothing unlinks them
         done = _entries(layout, "--engines", "--yes")
         assert {x: (done[x]["reason"], done[x]["action"]) for x in bound} == {
@@ -84,6 +78,4 @@ def test_sglangs_own_endpoints_kept_while_bound_removed_after_sigkill(layout: La
         assert [os.path.lexists(x) for x in paths] == [False, False, False, True, True]
         assert all(os.stat(x).st_size == 0 for x in files)
     finally:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
+        p.close()

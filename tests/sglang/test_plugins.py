@@ -2,8 +2,10 @@
 
 A real distribution (a .dist-info with an entry_points.txt) on the child's
 path registers two plugins in the `sglang.srt.plugins` group, as pip would;
-each case runs `load_plugins()` in a fresh interpreter, because SGLang's hooks
-cannot be taken back once applied.
+each case runs `load_plugins()` in a process of its own, because SGLang's
+hooks cannot be taken back once applied: `python -c` forked from the zygote
+(tests/sglang/zygote.py), which imported SGLang and never loaded a plugin, so
+the import is paid once.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang.cpu_env import Child, last_json
+from tests.sglang.cpu_env import last_json
+from tests.sglang.serves import Forked
 
 pytestmark = pytest.mark.sglang
 
@@ -124,8 +127,8 @@ ALLOW_CASES = {
 
 
 @pytest.fixture(scope="module")
-def children(sgl_scratch, tmp_path_factory) -> Iterator[dict[str, Child]]:
-    """Each case's fresh interpreter, all started at once (each imports SGLang); each test reads its own.
+def children(zygote, sgl_scratch, tmp_path_factory) -> Iterator[dict[str, Forked]]:
+    """Each case's process, all started at once; each test reads its own.
 
     The broken case has a directory of its own, whose module fails to import.
     """
@@ -134,11 +137,11 @@ def children(sgl_scratch, tmp_path_factory) -> Iterator[dict[str, Child]]:
     good = _plugin_dir(tmp_path_factory.mktemp("plugin"))
     broken = _plugin_dir(tmp_path_factory.mktemp("plugin-broken"), "raise ImportError('broken on purpose')\n")
 
-    def start(code: str, path: str, allow: str | None = None) -> Child:
+    def start(code: str, path: str, allow: str | None = None) -> Forked:
         extra = {"PYTHONPATH": path + ":" + child_env(sgl_scratch)["PYTHONPATH"]}
         if allow is not None:
             extra["SGLANG_PLUGINS"] = allow
-        return Child(code, sgl_scratch, extra=extra)
+        return Forked(zygote, code, sgl_scratch, extra=extra)
 
     started = {"all": start(CHILD, good), "raises": start(CHILD, good, allow="kvtest_raises"),
                "allow-lists": start(ALLOW_LISTS.replace("CASES", repr(list(ALLOW_CASES))), good),

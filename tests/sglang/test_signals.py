@@ -1,19 +1,22 @@
-"""SGLang 0.5.23's main-process signal paths: SubprocessWatchdog and SignalHandler, with real children and signals."""
+"""SGLang 0.5.23's main-process signal paths: SubprocessWatchdog and SignalHandler, with real children and signals.
+
+Each case is a process of its own (signal handlers are process-wide):
+`python -c` forked from the zygote (tests/sglang/zygote.py), which imported
+SGLang once; its children are spawned, as SGLang's are.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 
 import psutil
 import pytest
 
-from tests.sglang.cpu_env import Child, child_env, last_json
+from tests.sglang.cpu_env import last_json
+from tests.sglang.serves import Forked
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.sglang
@@ -43,27 +46,19 @@ print(json.dumps({"sigquit": got, "exitcodes": [p.exitcode for p in procs]}))
 
 
 @pytest.fixture(scope="module")
-def children(sgl_scratch) -> Iterator[dict]:
-    """The module's three interpreters, started together (each imports SGLang); each test takes its own.
+def children(zygote, sgl_scratch) -> Iterator[dict[str, Forked]]:
+    """The module's three processes, started together; each test takes its own.
 
     The SignalHandler one waits for its signals until its test sends them.
     """
-    started: dict = {mode: Child(WATCHDOG.replace("sys.argv[1]", repr(mode)), sgl_scratch)
-                     for mode in ("clean", "crash")}
-    handler = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SIGNAL_HANDLER)], env=child_env(sgl_scratch),
-                               cwd=sgl_scratch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    started["handler"] = handler
+    started = {mode: Forked(zygote, WATCHDOG.replace("sys.argv[1]", repr(mode)), sgl_scratch)
+               for mode in ("clean", "crash")}
+    started["handler"] = Forked(zygote, SIGNAL_HANDLER, sgl_scratch)
     try:
         yield started
     finally:
-        started["clean"].close()
-        started["crash"].close()
-        try:
-            os.killpg(handler.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        handler.communicate()
+        for child in started.values():
+            child.close()
 
 
 @pytest.mark.parametrize(("mode", "sigquit", "exitcodes"), [
@@ -111,19 +106,26 @@ while True:
 '''
 
 
+def _lines(proc: Forked, count: int, timeout: float) -> list[dict]:
+    """The first `count` lines `proc` printed, once it printed them (fails with its stderr if it exits first)."""
+    def printed() -> bool:
+        return len(proc.stdout().splitlines()) >= count or proc.zygote.status(proc.key, 0) is not None
+
+    wait_for(printed, timeout=timeout, interval=0.05)
+    lines = proc.stdout().splitlines()
+    assert len(lines) >= count, (lines, proc.err_path.read_text()[-3000:])
+    return [json.loads(line) for line in lines[:count]]
+
+
 def test_signal_handler_sigterm_only_asks_to_drain_and_sigquit_kills_the_tree_and_main(children) -> None:
     """SIGTERM sets gracefully_exit, nothing else; SIGQUIT stops the watchdog, dumps, SIGKILLs children and main."""
     proc = children["handler"]
-    assert proc.stdout is not None
-    first = proc.stdout.readline()
-    assert first.startswith("{"), first or proc.stderr.read()[-3000:]
-    child = json.loads(first)["child"]
+    child = _lines(proc, 1, 400)[0]["child"]
     os.kill(proc.pid, signal.SIGTERM)
-    assert json.loads(proc.stdout.readline()) == {"gracefully_exit": True}
-    assert proc.poll() is None and psutil.pid_exists(child)
+    assert _lines(proc, 2, 60)[1] == {"gracefully_exit": True}
+    assert proc.zygote.status(proc.key, 0) is None and psutil.pid_exists(child)
     os.kill(proc.pid, signal.SIGQUIT)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    assert json.loads(out.splitlines()[0]) == {"dumped": True, "watchdog_stopped": True}
+    assert proc.wait(60) == -signal.SIGKILL
+    assert _lines(proc, 3, 0)[2] == {"dumped": True, "watchdog_stopped": True}
     wait_for(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE,
              timeout=20)
