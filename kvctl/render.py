@@ -156,11 +156,10 @@ class Out:
             self._write(segs)
 
     def _plain_table(self, headers: Sequence[str], rows: Sequence[Sequence[Cell]], indent: int) -> None:
-        """`table` as plain text (a pipe, a log) of rows all as long: what the loop above writes, a column at a time.
+        """`table`'s text off a terminal, rows all as long: what the loop above writes, made a column at a time.
 
-        gc off a terminal writes a row per entry: the columns are made safe,
-        padded and joined by C-level maps (a column printable as a whole is
-        printable cell by cell), not by Python code per cell.
+        gc writes a row per entry: columns are made safe (one printable as a whole is printable cell by cell),
+        padded and joined by C-level maps, not by Python code per cell.
         """
         columns: list[Sequence[str]] = []
         for column in zip(*rows):
@@ -344,8 +343,7 @@ def render_report(out: Out, report: Report, *, verbose: bool, by_deployment: boo
         render_by_deployment(out, report)
     else:
         rows: list[list[Any]] = []
-        # What a row takes from its decision, action and note, made once per decision: entries share
-        # decisions, and a gc off a terminal writes a row per entry (str() of a member is Python-level code).
+        # A row's parts from its decision, action and note, made once per decision (entries share them).
         parts: dict[tuple[int, Action, str], tuple[Cell, Cell, str, str]] = {}
         for e in report.entries:
             d, action = e.decision, e.action

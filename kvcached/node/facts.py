@@ -447,7 +447,7 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
     unreadable: set[str] = set()
     shm: set[tuple[int, int]] = set()
     sockets: set[int] = set()
-    # Straight-line reads, no helper closures or loops: this runs once per process on the node.
+    # Straight-line reads, no helper closures: this runs once per process on the node.
     ipc_name = None
     try:
         ipc_name = _env_ipc_name(_read(f"{base}/environ", whole=True))
@@ -461,20 +461,15 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
         if _gone(e):
             return None
         unreadable.add("fd")
-    try:
-        mnt_ns: str | None = os.readlink(f"{base}/ns/mnt")
-    except OSError as e:
-        if _gone(e):
-            return None
-        mnt_ns = None
-        unreadable.add("ns/mnt")
-    try:
-        net_ns: str | None = os.readlink(f"{base}/ns/net")
-    except OSError as e:
-        if _gone(e):
-            return None
-        net_ns = None
-        unreadable.add("ns/net")
+    ns: dict[str, str | None] = {}
+    for kind in ("mnt", "net"):
+        try:
+            ns[kind] = os.readlink(f"{base}/ns/{kind}")
+        except OSError as e:
+            if _gone(e):
+                return None
+            ns[kind] = None
+            unreadable.add(f"ns/{kind}")
     # Last, one stat of /proc/<pid>, for two answers: it still exists (else it exited while we read it, and
     # what we read may be partial), and its owner is the effective uid, status's second Uid field. procfs
     # owns a process's directory by its euid even when the process is not dumpable (setuid, PR_SET_DUMPABLE
@@ -487,7 +482,7 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
     except OSError:
         return None
     return ProcessInfo(pid, start, ppid, pgid, uid, comm, cmdline, ipc_name,
-                       frozenset(sockets), frozenset(shm), mnt_ns, net_ns, frozenset(unreadable))
+                       frozenset(sockets), frozenset(shm), ns["mnt"], ns["net"], frozenset(unreadable))
 
 
 def _gone(e: OSError) -> bool:
