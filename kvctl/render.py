@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import IO, TYPE_CHECKING, Any, Union
 
 from kvcached.node.enums import Action, Kind, State
@@ -132,6 +133,9 @@ class Out:
     def table(self, headers: Sequence[str], rows: Sequence[Sequence[Cell]], indent: int = 2,
               fold: Sequence[int] = ()) -> None:
         """Aligned columns; on a terminal a rich table as wide as the terminal, columns in `fold` wrapping."""
+        if not self.terminal and not self.styled and len(set(map(len, rows))) <= 1:
+            self._plain_table(headers, rows, indent)
+            return
         cooked = [[(safe(c), "") if isinstance(c, str) else (safe(c[0]), c[1]) for c in row] for row in rows]
         if self.terminal:
             self._rich_table(headers, cooked, indent, set(fold) or {len(headers) - 1})
@@ -150,6 +154,28 @@ class Out:
                 if not last:
                     segs.append(("  ", ""))
             self._write(segs)
+
+    def _plain_table(self, headers: Sequence[str], rows: Sequence[Sequence[Cell]], indent: int) -> None:
+        """`table`'s text off a terminal, rows all as long: what the loop above writes, made a column at a time.
+
+        gc writes a row per entry: columns are made safe (one printable as a whole is printable cell by cell),
+        padded and joined by C-level maps, not by Python code per cell.
+        """
+        columns: list[Sequence[str]] = []
+        for column in zip(*rows):
+            texts: Sequence[Any] = column
+            if set(map(type, column)) != {str}:  # styled cells (text, style)
+                texts = [c if isinstance(c, str) else str(c[0]) for c in column]
+            columns.append(texts if "".join(texts).isprintable() else [safe(c) for c in texts])
+        widths = [len(h) for h in headers]
+        for i, texts in enumerate(columns):
+            widths[i] = max(widths[i], max(map(len, texts)))
+        pad = " " * indent
+        # Every cell padded to its column's width but the last, as on a terminal; no trailing blanks.
+        padded = [list(map(str.ljust, texts, repeat(w))) for texts, w in zip(columns[:-1], widths)] + columns[-1:]
+        lines = [(pad + "  ".join(h.ljust(w) for h, w in zip(headers, widths))).rstrip()]
+        lines += map(str.rstrip, map(pad.__add__, map("  ".join, zip(*padded))))
+        self.stream.write("\n".join(lines) + "\n")
 
     def _rich_table(self, headers: Sequence[str], rows: list[list[tuple[str, str]]], indent: int,
                     fold: set[int]) -> None:
@@ -317,20 +343,19 @@ def render_report(out: Out, report: Report, *, verbose: bool, by_deployment: boo
         render_by_deployment(out, report)
     else:
         rows: list[list[Any]] = []
+        # A row's parts from its decision, action and note, made once per decision (entries share them).
+        parts: dict[tuple[int, Action, str], tuple[Cell, Cell, str, str]] = {}
         for e in report.entries:
-            if e.action is Action.KEPT and e.state is State.LIVE and not verbose:
+            d, action = e.decision, e.action
+            if action is Action.KEPT and d.state is State.LIVE and not verbose:
                 continue
-            detail = e.decision.detail + (f"; {e.note}" if e.note else "")
-            rows.append(
-                [
-                    (_VERBS[e.action], STATE_STYLE.get(e.action, "")),
-                    str(e.kind),
-                    e.path,
-                    state_cell(e.state),
-                    str(e.decision.reason),
-                    detail,
-                ]
-            )
+            key = (id(d), action, e.note)  # the decisions live as long as the entries that hold them
+            part = parts.get(key)
+            if part is None:
+                verb: Cell = (_VERBS[action], STATE_STYLE.get(action._value_, ""))
+                part = parts[key] = (verb, state_cell(d.state._value_), d.reason._value_,
+                                     d.detail + (f"; {e.note}" if e.note else ""))
+            rows.append([part[0], e.candidate.kind._value_, e.path, part[1], part[2], part[3]])
         if rows:
             out.table(["ACTION", "KIND", "PATH", "STATE", "REASON", "DETAIL"], rows, indent=0, fold=(2, 5))
     out.line(summary_line(report) + (f" [{report.summary()['seconds']}s]" if verbose else ""))

@@ -97,6 +97,9 @@ def _plan(layout: Layout, policy: Policy | None, facts: Facts | None, names: Ite
     return Plan(layout, facts, policy, t, roots, decisions, found.errors + facts.errors, segments, matched)
 
 
+_new_entry = tuple.__new__
+
+
 class _Actor:
     """The guarded act; `dry_run` is the one guard, at the removing syscall."""
 
@@ -137,7 +140,7 @@ class _Actor:
         return self.timed_out
 
     def record(self, c: Candidate, d: Decision, action: Action, note: str = "") -> None:
-        e = Entry(c, d, action, note)
+        e = _new_entry(Entry, (c, d, action, note))  # Entry(...) through its Python-level __new__: once per entry
         self.entries.append(e)
         if self.progress is not None:
             self.progress(e)
@@ -149,7 +152,7 @@ class _Actor:
 
     def remove(self, dir_fd: int, c: Candidate, d: Decision, rmdir: bool = False) -> bool:
         """Unlink `c` through `dir_fd` if it still has the planned identity; True when gone."""
-        if self.out_of_time():
+        if self.timed_out or (self.deadline is not None and self.out_of_time()):
             self.record(c, d, Action.KEPT, "time limit reached")
             return False
         try:

@@ -344,14 +344,6 @@ def is_kernel_thread(pid: int, proc_root: str = "/proc") -> bool:
         return False
 
 
-def _status_uid(raw: bytes) -> int:
-    at = raw.find(b"\nUid:")  # never the first line (that is Name:)
-    if at < 0:
-        return -1
-    end = raw.find(b"\n", at + 5)
-    return int(raw[at + 5:end if end >= 0 else len(raw)].split()[1])  # real, effective, saved, fs: the effective
-
-
 def _env_ipc_name(raw: bytes) -> str | None:
     # One search rather than splitting the whole environment: a pass reads every
     # process's, and the first KVCACHED_IPC_NAME= item is the one getenv returns.
@@ -448,8 +440,8 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
         comm, ppid, pgid, start, gone = _parse_stat(_read(f"{base}/stat", whole=True), btime)
         if gone:
             return None
-        uid = _status_uid(_read(f"{base}/status", whole=True))
-        cmdline = tuple(a.decode(errors="replace") for a in _read(f"{base}/cmdline", whole=True).split(b"\0") if a)
+        # One decode, then split: a NUL never continues a UTF-8 sequence, so this is the per-argument decode.
+        cmdline = tuple(filter(None, _read(f"{base}/cmdline", whole=True).decode(errors="replace").split("\0")))
     except (OSError, ValueError, IndexError):
         return None  # exited during the pass, or not a process directory
     unreadable: set[str] = set()
@@ -478,8 +470,17 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
                 return None
             ns[kind] = None
             unreadable.add(f"ns/{kind}")
-    if not os.path.exists(base):
-        return None  # it exited while we read it: what we read may be partial
+    # Last, one stat of /proc/<pid>, for two answers: it still exists (else it exited while we read it, and
+    # what we read may be partial), and its owner is the effective uid, status's second Uid field. procfs
+    # owns a process's directory by its euid even when the process is not dumpable (setuid, PR_SET_DUMPABLE
+    # 0; only the files inside turn root's), the rule ps relies on. So status, the costliest file of the
+    # pass, is not read (bench/bench_gc.py, the /proc pass against ss -xap). Only a process reaped inside
+    # this very call shows root: it has exited, holding nothing, as one that exited a moment earlier and
+    # would not be recorded at all.
+    try:
+        uid = os.stat(base).st_uid
+    except OSError:
+        return None
     return ProcessInfo(pid, start, ppid, pgid, uid, comm, cmdline, ipc_name,
                        frozenset(sockets), frozenset(shm), ns["mnt"], ns["net"], frozenset(unreadable))
 

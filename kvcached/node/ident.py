@@ -144,7 +144,10 @@ def unlink_if_same(dir_fd: int, name: str, ident: tuple[int, int], handle: bytes
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return Unlinked.GONE
-    if (st.st_dev, st.st_ino) != ident or not same_file(handle, handle_of(name, dir_fd)):
+    if (st.st_dev, st.st_ino) != ident:
+        return Unlinked.REPLACED
+    # same_file, inline (once per removal): a handle taken at the scan must still be the name's.
+    if handle is not None and (now := handle_of(name, dir_fd)) is not None and now != handle:
         return Unlinked.REPLACED
     if dry_run:
         return Unlinked.WOULD

@@ -76,10 +76,14 @@ class Report:
 
     @property
     def failures(self) -> list[Entry]:
+        if not self.count(action=Action.FAILED):
+            return []  # the usual answer, from the counts a summary takes anyway: no pass over every entry
         return [e for e in self.entries if e.action is Action.FAILED]
 
     @property
     def stale_remaining(self) -> list[Entry]:
+        if self.count(state=State.STALE) == self.count(state=State.STALE, action=Action.REMOVED):
+            return []  # as failures: a gc asks four times, and after a clean run every entry would be read
         return [e for e in self.entries if e.state is State.STALE and e.action is not Action.REMOVED]
 
     def summary(self) -> dict[str, object]:

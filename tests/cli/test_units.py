@@ -6,7 +6,7 @@ import pytest
 
 from kvcached.node.units import BadValue, format_duration, format_size, parse_duration, parse_percent, parse_size
 from kvctl.exitcodes import Exit
-from kvctl.render import safe
+from kvctl.render import Out, safe
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -73,6 +73,21 @@ def test_formats() -> None:
 )
 def test_safe(raw: str, shown: str) -> None:
     assert safe(raw) == shown
+
+
+def test_a_plain_table_pads_each_column_but_the_last_and_neutralises_names() -> None:
+    """Off a terminal, rows all as long are written a column at a time; ragged rows cell by cell: the same text."""
+    import io
+
+    from kvcached.node.enums import Kind
+
+    rows: list[list[object]] = [[("x", "red"), "y\x1b", "tail  "], ["wide-cell", Kind.SEGMENT, ""]]
+    written = []
+    for table in (rows, rows[:1] + [rows[1][:2]]):  # the second is ragged: its last row has no third cell
+        buf = io.StringIO()
+        Out(buf, styled=False, terminal=False).table(["A", "LONGER", "LAST"], table)  # type: ignore[arg-type]
+        written.append(buf.getvalue())
+    assert written == ["  A          LONGER   LAST\n  x          y\\x1b    tail\n  wide-cell  segment\n"] * 2
 
 
 def test_exit_codes_are_the_documented_numbers() -> None:

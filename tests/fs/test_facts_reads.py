@@ -2,7 +2,9 @@
 
 facts._read stops at the first short read (one read per file on almost every
 process); a cmdline or environ longer than its buffer must still come back
-entire, with what sits at its very end (the IPC name a launcher appended).
+entire, with what sits at its very end (the IPC name a launcher appended). And the
+uid it records is the effective one, read from the owner of /proc/<pid>, also
+for a process that is not dumpable (whose files there turn root's).
 """
 
 from __future__ import annotations
@@ -66,3 +68,28 @@ def test_a_mapping_past_the_first_page_of_maps_is_seen(tmp_path) -> None:  # typ
         child.stdin.close()  # type: ignore[union-attr]
         child.wait(timeout=30)
         os.unlink(target)
+
+
+def test_the_uid_is_the_effective_one_also_for_a_process_that_is_not_dumpable() -> None:
+    """The pass takes the uid from /proc/<pid>'s owner, not from status: the two must agree where they could not.
+
+    As root, the child keeps real uid 0 and takes effective uid 65534 (which
+    makes it non-dumpable): a real uid, or the root-owned files inside its
+    directory, would say 0. As a user, it drops dumpable by prctl: its files
+    turn root's, its directory stays the user's.
+    """
+    if os.geteuid() == 0:
+        code, expected = "import os; os.setresuid(0, 65534, 0)", 65534
+    else:
+        code, expected = "import ctypes; ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)", os.geteuid()  # PR_SET_DUMPABLE
+    child = subprocess.Popen([sys.executable, "-c", f"{code}\nimport sys; print(flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()  # type: ignore[union-attr]
+        assert os.stat(f"/proc/{child.pid}/status").st_uid == 0  # not dumpable: its files are root's
+        with open(f"/proc/{child.pid}/status", "rb") as f:
+            effective = int(next(x for x in f if x.startswith(b"Uid:")).split()[2])
+        assert gather_facts().processes[child.pid].uid == effective == expected
+    finally:
+        child.stdin.close()  # type: ignore[union-attr]
+        child.wait(timeout=30)
