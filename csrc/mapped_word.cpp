@@ -15,7 +15,11 @@
 //   re-installing would make the two call each other. `guarded` tells whether
 //   ours is still the one installed (one sigaction call, made where the
 //   caller already makes a syscall: LimitWatch's periodic stat); once it is
-//   not, the caller must drop the mapping and read with pread.
+//   not, the caller must drop the mapping and read with pread. What is left
+//   is one window: a handler installed after ours and a truncation of the
+//   file within the same recheck interval, when the later handler sees our
+//   fault first. Nothing of ours or upstream's truncates a segment (upstream
+//   re-creates a missing one as a new inode, which the mapping survives).
 // - SA_NODEFER and sigsetjmp(env, 0): the signal is not blocked inside the
 //   handler, so jumping out needs no signal-mask syscall on the way in or out.
 // - Reads hold the GIL, so one guard slot serves the whole process; the thread
