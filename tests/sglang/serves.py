@@ -257,7 +257,7 @@ def _session(sid: int) -> list[psutil.Process]:
 
 
 def gone(pid: int) -> bool:
-    """Dead: no such process, or a zombie."""
+    """Dead: no such process, or a zombie (SGLang's own test of "released", _still_holding_resources)."""
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
