@@ -184,6 +184,8 @@ def gc_document(root: str, result: GcResult, code: IntEnum) -> dict[str, Any]:
                   killed=[k.to_dict() for k in result.killed])
     if result.engines is not None:
         _add_engines(doc, result.report, result.engines)
+    # null when the run saw every process; else each reason it did not (kvcached.node.sight)
+    doc["blind"] = result.sight.to_dict() if result.sight is not None else None
     return doc
 
 
