@@ -255,10 +255,11 @@ def check_tmpfiles(cfg: HostConfig, names: Iterable[str] = ()) -> Finding:
 
 # upstream kvcached's revisioned limits -------------------------------------
 
-# Run in the serve's interpreter. find_spec of a top-level name does not import it; the module's source is
+# Run in the serve's interpreter, from /. find_spec of a top-level name does not import it; the module's source is
 # read, not imported (upstream's import loads torch and its extension).
 UPSTREAM_PROBE = r"""
-import importlib.metadata, importlib.util, json, os, re
+import importlib.metadata, importlib.util, json, os, re, sys
+sys.path[:] = [p for p in sys.path if p]  # -c puts kvctl's working directory first: the serve's is not it
 pattern = re.compile(r"^def\s+set_instance_memory_limit\s*\(", re.M)
 spec = importlib.util.find_spec("kvcached")
 where = list(spec.submodule_search_locations or []) if spec is not None else []
@@ -283,7 +284,7 @@ def check_upstream_limits(python: str, environ: Mapping[str, str], timeout: floa
     """Say so where the serve's interpreter has upstream kvcached's in-process revisioned limits installed."""
     try:
         r = subprocess.run([python, "-c", UPSTREAM_PROBE], capture_output=True, text=True, timeout=timeout,
-                           env={**environ, "PYTHONDONTWRITEBYTECODE": "1"}, stdin=subprocess.DEVNULL)
+                           env={**environ, "PYTHONDONTWRITEBYTECODE": "1"}, stdin=subprocess.DEVNULL, cwd="/")
         doc = json.loads(r.stdout)
     except (OSError, subprocess.TimeoutExpired, ValueError) as e:
         return Finding("skip", f"could not look for upstream kvcached in {python}: {e}")
