@@ -1,4 +1,4 @@
-"""kvctl's JSON documents: one builder per schema in kvctl/schemas/ (README.md, "JSON").
+"""kvctl's JSON documents: one builder per schema in kvctl/schemas/ (docs/KVCTL.md §9).
 
 The node layer gives each piece its dictionary (an entry, a process, a
 deployment: `to_dict`); these builders put the pieces into the documents
@@ -171,7 +171,7 @@ def _holds_rows(obj: Any) -> bool:
 
 
 def _report(schema: str, root: str, report: Report, dry_run: bool, code: IntEnum, **extra: Any) -> dict[str, Any]:
-    # What gc and delete documents share, in the order README shows them; gc adds its orphans before errors.
+    # What gc and delete documents share, in the order docs/KVCTL.md §9 shows them; gc adds its orphans before errors.
     return {"schema": schema, "root": root, "dry_run": dry_run,
             "entries": EntryRows(report.entries), "summary": report.summary(), **extra,
             "errors": report.errors, "exit_code": int(code)}
