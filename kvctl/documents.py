@@ -55,10 +55,10 @@ class EntryRows(list):  # list[dict[str, Any]]: the rows of Entry.to_dict
 
     A gc over a full node reports every entry (11,000 for 1,000 dead
     deployments), and `kvctl gc --json` only writes them: `json()` writes the
-    array from fragments encoded once per distinct decision, which cost a tenth
-    of json.dumps over the dicts, and the dicts themselves are made only when
-    the list is read as a list (building them was 4 % of `kvctl gc --dry-run
-    --json` end to end, bench/bench_gc.py). Every list operation makes them
+    array from fragments encoded once per distinct decision, far cheaper than
+    json.dumps over the dicts, and the dicts themselves are made only when
+    the list is read as a list (building them was a visible share of `kvctl gc --dry-run
+    --json` end to end, bench/bench_gc.py; bench/README.md). Every list operation makes them
     first (json.dumps' C encoder, too, reads a list subclass through
     `__iter__`). Rows appended later (`+=`, as gc --engines appends the
     engines' entries) are written by json.dumps. tests/cli/test_documents.py

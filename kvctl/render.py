@@ -77,7 +77,7 @@ def emit_json(obj: Any, stream: IO[str] | None = None, *, one_line: bool = False
 
     stream = stream or sys.stdout
     # Indented for a person at a terminal; compact for scripts, because only the
-    # compact form takes the C encoder (10x faster on a node with 10k entries),
+    # compact form takes the C encoder (far faster on a full node; bench/README.md),
     # and a report's entries their own encoder (documents.EntryRows).
     if stream.isatty() and not one_line:
         text = json.dumps(obj, indent=2, default=str)
