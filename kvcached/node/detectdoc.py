@@ -101,9 +101,10 @@ class Plugin:
         return self.enabled and self.allowed
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready."""
-        return {"enabled": self.enabled, "allowed": self.allowed, "allow_list_var": self.allow_list_var,
-                "allow_list": self.allow_list, "fix": self.fix}
+        """JSON-ready; `fix` only when there is one (an active plugin's report keeps its first shape)."""
+        out = {"enabled": self.enabled, "allowed": self.allowed, "allow_list_var": self.allow_list_var,
+               "allow_list": self.allow_list}
+        return out if self.fix is None else {**out, "fix": self.fix}
 
 
 @dataclass(frozen=True, kw_only=True)
