@@ -13,8 +13,7 @@ SPECS = {
                      'demo', 'shell'],
         'options': [
             {'names': ['--root'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
-             'help': "Re-base /tmp and /dev/shm under DIR (/proc stays real): tests, chroots, a pod's volumes. "
-                     'Env: KVCTL_ROOT.'},
+             'help': "Re-base /tmp and /dev/shm under DIR (/proc stays real): tests, chroots, a pod's volumes."},
             {'names': ['-v', '--verbose'], 'value': False, 'multiple': False, 'hidden': False, 'complete': None,
              'help': 'More detail (live entries gc kept, timings); tracebacks on errors. Repeatable.'},
             {'names': ['--version'], 'value': False, 'multiple': False, 'hidden': False, 'complete': None,

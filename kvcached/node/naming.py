@@ -104,10 +104,10 @@ def socket_hash(name: str) -> str:
 
 
 def _sha1() -> Callable[[bytes], Any]:
-    """SHA-1, bound on first use: CPython's own `_sha1` (0.4 ms to load), hashlib's OpenSSL only without it.
+    """SHA-1, bound on first use: CPython's own `_sha1`, cheap to load; hashlib's OpenSSL only without it.
 
-    hashlib loads OpenSSL (5-10 ms), which every gc over a node with socket
-    directories paid at start-up for one hash per directory; `_sha1` is the
+    hashlib loads OpenSSL, a visible share of a cold kvctl run (bench/README.md), which every gc over a
+    node with socket directories paid at start-up for one hash per directory; `_sha1` is the
     module hashlib itself falls back to, with the same digests.
     """
     fn = _SHA1.get("fn")

@@ -317,8 +317,8 @@ def _manager_init(wrapped: Any, _manager: Any, args: tuple[Any, ...], kwargs: di
 
 
 # The step hooks. A serve pays them every scheduler step, so after the first step
-# they sit on the scheduler itself (`_bind_steps`): wrapt's wrapper costs a few
-# microseconds a call there, 2 % of a step of 48 requests (bench_elastic.py).
+# they sit on the scheduler itself (`_bind_steps`): wrapt's proxy per call there is a
+# measurable share of a step (bench_elastic.py; bench/README.md).
 
 STEP_METHODS = ("schedule", "update_from_output")
 STEP_MARK = "_kvcached_step"  # on the hooks bound on a scheduler
@@ -335,7 +335,7 @@ def _scheduled(pool: Any, schedule: Any, args: tuple[Any, ...], kwargs: dict[str
 
 def _updated(scheduler: Any, pool: Any, update: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # The first parameter (probe() checked the signature): binding it through inspect, as the
-    # start-up hooks do, would cost tens of microseconds per step (bench_elastic.py).
+    # start-up hooks do, would cost a visible share of a step (bench_elastic.py; bench/README.md).
     pool.inflight.complete(args[0] if args else kwargs.get("scheduler_output"))
     out = update(*args, **kwargs)
     # What this output freed: released beyond the reserve, unmapped once no batch runs;
