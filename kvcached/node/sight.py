@@ -27,17 +27,31 @@ not make a run blind: it cannot own a deployment kvctl judges (a sandbox's
 init that keeps capabilities kvctl lacks is one).
 
 Only the standard library and the mount table: the /proc pass (facts.py)
-imports this module, never the other way round.
+imports this module, never the other way round, and gc imports it on its idle
+path too, so its types are NamedTuples (a frozen dataclass costs more to define).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 from .enums import StrEnum
 from .mounts import read_mountinfo
+
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    class PassView(Protocol):
+        """What `assess` reads of one /proc pass (kvcached.node.facts.Facts)."""
+
+        proc_root: str
+        errors: list[str]
+        unreadable_pids: dict[int, frozenset[str]]
+
+        def uid_of(self, pid: int) -> int | None: ...
+
+        def engine_like(self, pid: int) -> bool: ...
 
 # The initial PID namespace has this fixed inode (PROC_PID_INIT_INO, Linux >= 3.8). In any other one,
 # processes of the parent and sibling namespaces (another container sharing this /dev/shm) are invisible.
@@ -57,8 +71,7 @@ class Cause(StrEnum):
     UNREADABLE = "unreadable"
 
 
-@dataclass(frozen=True)
-class BlindReason:
+class BlindReason(NamedTuple):
     """One cause of blindness: what, why it matters, the fix, and a few processes it hid (when known)."""
 
     cause: Cause
@@ -70,8 +83,7 @@ class BlindReason:
         return {"cause": str(self.cause), "detail": self.detail, "fix": self.fix, "pids": list(self.pids)}
 
 
-@dataclass(frozen=True)
-class Credentials:
+class Credentials(NamedTuple):
     """Who this kvctl is, as the kernel's ptrace-read check sees it."""
 
     uid: int
@@ -80,8 +92,7 @@ class Credentials:
     lsm: str | None  # the security label of this process (an AppArmor profile), when the kernel names one
 
 
-@dataclass(frozen=True)
-class ProcMount:
+class ProcMount(NamedTuple):
     """The options of the /proc mount that matter for sight (`hidepid` 0 when absent)."""
 
     hidepid: str  # "0"/"off", "1"/"noaccess", "2"/"invisible", "4"/"ptraceable"
@@ -93,8 +104,7 @@ class ProcMount:
         return self.hidepid not in ("0", "off")
 
 
-@dataclass(frozen=True)
-class Sight:
+class Sight(NamedTuple):
     """Whether a run saw every process it judged, and each reason it did not."""
 
     reasons: tuple[BlindReason, ...] = ()
@@ -110,18 +120,6 @@ class Sight:
 
     def summary(self) -> str:
         return "; ".join(r.detail for r in self.reasons)
-
-
-class PassView(Protocol):
-    """What `assess` reads of one /proc pass (kvcached.node.facts.Facts)."""
-
-    proc_root: str
-    errors: list[str]
-    unreadable_pids: dict[int, frozenset[str]]
-
-    def uid_of(self, pid: int) -> int | None: ...
-
-    def engine_like(self, pid: int) -> bool: ...
 
 
 def _read_text(path: str) -> str | None:
