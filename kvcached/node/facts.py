@@ -427,6 +427,10 @@ def _scan_fds(fd_dir: str, shm_files: set[tuple[int, int]], sockets: set[int]) -
     for fd in os.listdir(fd_dir):
         try:
             target = os.readlink(f"{fd_dir}/{fd}")
+        except PermissionError:
+            # Root without CAP_SYS_PTRACE may list another user's fd directory (DAC override) but not read
+            # a link in it: the process is unread, not empty.
+            raise
         except OSError:
             continue  # closed between listdir and readlink
         if target.startswith("socket:["):

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -143,3 +144,18 @@ def test_a_gc_with_sight_is_not_blind(layout: Layout, uniq: str) -> None:
     assert not os.path.exists(path)
     with open(prom) as f:
         assert "kvctl_gc_blind 0\n" in f.read()
+
+
+def test_root_without_ptrace_records_another_users_fds_as_unread(unpriv_user, needs_tools) -> None:  # type: ignore[no-untyped-def]
+    """Root may list another user's /proc/<pid>/fd (DAC override) yet not read one link in it: unread, not empty."""
+    other = subprocess.Popen([*_as_user(unpriv_user), "sleep", "60"])
+    try:
+        code = ("import json, sys; from kvcached.node.facts import gather_facts; f = gather_facts(); "
+                "print(json.dumps(sorted(f.unreadable_pids.get(int(sys.argv[1]), ()))))")
+        r = _run(["setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace", sys.executable, "-c", code,
+                  str(other.pid)])
+        assert r.returncode == 0, r.stderr
+        assert "fd" in json.loads(r.stdout), r.stdout
+    finally:
+        other.kill()
+        other.wait()
