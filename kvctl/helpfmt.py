@@ -26,7 +26,8 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "inspect": ("kvctl inspect", "kvctl inspect my-serve --json", "kvctl inspect --pid 41237   (a container's view)"),
     "gc": ("kvctl gc --dry-run", "kvctl gc --yes --engines --prometheus /var/lib/node_exporter/textfile/kvctl.prom",
            "kvctl gc --yes --engines --every 10m --json   (a node agent: a JSON line per run until SIGTERM)",
-           "kvctl gc --yes --min-age 0 my-serve   (an entrypoint: go on after 0, 3 or 6; README)"),
+           "kvctl gc --yes --min-age 0 my-serve   (an entrypoint: go on after 0, 3 or 6; README)",
+           "kvctl gc --check-heartbeat /run/kvctl/heartbeat --max-age 30m   (the agent's liveness probe)"),
     "doctor": ("kvctl doctor", "kvctl doctor node engine --strict", "kvctl doctor --json"),
     "demo": ("kvctl demo", "kvctl --root /tmp/kvdemo demo --tp 1 --pp 1"),
     "shell": ("kvctl shell", "printf 'list\\ngc --dry-run\\n' | kvctl shell"),
@@ -44,7 +45,8 @@ EXITS: dict[str, str] = {
     "inspect": "0 ok; 6 NAME or --pid matches nothing",
     "gc": "0 nothing stale remains; 3 stale entries remain (dry run, not confirmed, time limit); "
           "4 a removal or kill failed; 5 another gc holds the lock; 6 NAME matches nothing; "
-          "with --every: the last run's code on SIGTERM or SIGINT",
+          "with --every: the last run's code on SIGTERM or SIGINT; --check-heartbeat: 0 fresh, "
+          "8 older than --max-age or no heartbeat",
     "doctor": "0 healthy (warnings allowed); 8 a check failed (--strict: or warned)",
     "demo": "0 the deployment's state was found and removed; 3 something remained; 4 a removal failed",
     "shell": "the exit code of the last command",
