@@ -12,6 +12,7 @@ cannot make a run late. Imported only when the flag is given.
 from __future__ import annotations
 
 import http.server
+import socket
 import threading
 from typing import Any
 
@@ -61,12 +62,17 @@ class _Server(http.server.ThreadingHTTPServer):
     owner: MetricsServer
 
 
+class _Server6(_Server):
+    address_family = socket.AF_INET6  # an IPv6 address (`::` on an IPv6-only pod network)
+
+
 class MetricsServer:
     """An HTTP endpoint serving the latest published metrics at /metrics (a metrics.Sink)."""
 
     def __init__(self, address: str, port: int) -> None:
         try:
-            self._http = _Server((address, port), _Handler, bind_and_activate=True)
+            server = _Server6 if ":" in address else _Server
+            self._http = server((address, port), _Handler, bind_and_activate=True)
         except OSError as e:
             raise MetricsError(f"--metrics-port: cannot listen on {address}:{port} ({e.strerror or e})") from None
         self._http.owner = self

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -112,3 +113,21 @@ def test_a_port_taken_is_a_metrics_error() -> None:
     with MetricsServer("127.0.0.1", 0) as first:
         with pytest.raises(metrics.MetricsError, match=f"127.0.0.1:{first.address[1]}"):
             MetricsServer("127.0.0.1", first.address[1])
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_an_ipv6_address_is_served_too() -> None:
+    with MetricsServer("::1", 0) as server:
+        server.publish("kvctl_gc_failures 0\n")
+        host, port = server.address
+        assert host == "::1"
+        assert _get(f"http://[::1]:{port}/metrics")[2] == "kvctl_gc_failures 0\n"
