@@ -203,10 +203,13 @@ def write_textfile(path: str, body: str) -> None:
 
 
 def _previous_text(path: str | None, sink: Sink | None) -> str:
-    """The last run's metrics: the textfile's when there is one (it outlives the process), else the sink's."""
-    if path:
-        return _read_previous(path)
-    return sink.previous() if sink is not None else ""
+    """The last run's metrics: the sink's once it has served a run (it gets each body first), else the textfile's.
+
+    The textfile outlives the process, so a new loop's first run carries the
+    last success of the one before it.
+    """
+    previous = sink.previous() if sink is not None else ""
+    return previous or (_read_previous(path) if path else "")
 
 
 def _put(path: str | None, sink: Sink | None, body: str) -> None:

@@ -109,6 +109,16 @@ def test_with_a_textfile_too_both_get_the_same_body(tmp_path) -> None:
         assert "kvctl_gc_lock_busy 1" in server.previous()
 
 
+def test_a_new_endpoint_carries_the_last_success_of_the_textfile_before_it(tmp_path) -> None:
+    """A restarted agent: its endpoint has served nothing yet, the textfile holds the last loop's success."""
+    prom = tmp_path / "kvctl.prom"
+    metrics.write_report(str(prom), _empty_report(3000.0), success=True)
+    with MetricsServer("127.0.0.1", 0) as server:
+        metrics.write_report(str(prom), _empty_report(3600.0), success=False, sink=server)
+        assert "kvctl_gc_last_success_timestamp_seconds 3000" in server.previous()
+        assert prom.read_text() == server.previous()
+
+
 def test_a_port_taken_is_a_metrics_error() -> None:
     with MetricsServer("127.0.0.1", 0) as first:
         with pytest.raises(metrics.MetricsError, match=f"127.0.0.1:{first.address[1]}"):
