@@ -179,9 +179,11 @@ def _report(schema: str, root: str, report: Report, dry_run: bool, code: IntEnum
 
 def gc_document(root: str, result: GcResult, code: IntEnum) -> dict[str, Any]:
     """`gc --json` (gc.json, schema kvctl.gc/1); with --engines, the engine leftovers' entries follow kvcached's."""
+    # blind: null when the run saw every process; else each reason it did not (kvcached.node.sight)
     doc = _report("kvctl.gc/1", root, result.report, result.dry_run, code,
                   orphans=[{"deployment": d.name, **o.to_dict()} for d, o in result.orphans],
-                  killed=[k.to_dict() for k in result.killed])
+                  killed=[k.to_dict() for k in result.killed],
+                  blind=result.sight.to_dict() if result.sight is not None else None)
     if result.engines is not None:
         _add_engines(doc, result.report, result.engines)
     return doc

@@ -25,6 +25,7 @@ from .decide import Policy, State
 from .detectdoc import DetectDocument, DocumentError, EngineSection, Hazard, PatchReport, PatchStatus
 from .detectdoc import parse as parse_detect
 from .enums import StrEnum
+from .host_hazards import Finding, HostConfig
 from .layout import SUN_PATH_MAX, Layout
 from .mounts import mount_of
 from .units import entries
@@ -76,6 +77,11 @@ class Context:
     python: str = sys.executable
     timeout: float = 180.0  # detect imports every installed engine (two of them: over a minute on a busy node)
     kvctl: str = "kvctl"  # the command fixes name, with the run's options (`kvctl --root DIR`)
+    host: HostConfig | None = None  # where the host's configuration is read; None: under the layout's root
+
+    @property
+    def host_config(self) -> HostConfig:
+        return self.host if self.host is not None else HostConfig(root=self.layout.root)
 
     @cached_property
     def plan(self) -> Plan:
@@ -269,6 +275,53 @@ def check_privileges(ctx: Context) -> list[CheckResult]:
             uid=uid,
         )
     return _r("privileges", Group.ENVIRONMENT, Status.OK, f"running as uid {uid}; all entries found are ours", uid=uid)
+
+
+def check_sight(ctx: Context) -> list[CheckResult]:
+    """Whether this kvctl reads every process's fds, maps and status; fail with the fix for each cause (sight.py)."""
+    from .sight import assess
+
+    sight = assess(ctx.proc_root, ctx.plan.facts)
+    creds = sight.credentials
+    who: dict[str, Any] = {"uid": creds.uid, "cap_sys_ptrace": creds.ptrace, "lsm": creds.lsm} if creds else {}
+    if not sight.blind:
+        return _r("sight", Group.ENVIRONMENT, Status.OK,
+                  f"kvctl reads every process it judges ({len(ctx.plan.facts.processes)} processes)", **who)
+    return [CheckResult("sight", Group.ENVIRONMENT, Status.FAIL, r.detail, r.fix,
+                        {"cause": str(r.cause), "pids": list(r.pids), **who}) for r in sight.reasons]
+
+
+def _finding(name: str, f: Finding, group: Group = Group.ENVIRONMENT) -> list[CheckResult]:
+    return _r(name, group, Status(f.status), f.summary, f.fix, **f.details)
+
+
+def _serves(ctx: Context) -> dict[int, list[int]]:
+    """uid -> PIDs of kvcached deployments' processes and engine processes (API servers, engines, workers)."""
+    from .host_hazards import serve_uids
+    from .roles import Role, classify_process
+
+    procs = {p.info.pid: p.info for d in ctx.view.deployments for p in d.processes}
+    procs.update({p.pid: p for p in ctx.plan.facts.processes.values() if classify_process(p).role is not Role.OTHER})
+    return serve_uids(procs.values())
+
+
+def check_logind(ctx: Context) -> list[CheckResult]:
+    from .host_hazards import check_remove_ipc
+
+    return _finding("logind-removeipc", check_remove_ipc(ctx.host_config, _serves(ctx)))
+
+
+def check_tmpfiles(ctx: Context) -> list[CheckResult]:
+    from .host_hazards import check_tmpfiles as tmpfiles
+
+    names = {d.name for d in ctx.view.deployments} | {naming.ipc_name_from_env(ctx.environ, tag="proc")}
+    return _finding("tmpfiles-age", tmpfiles(ctx.host_config, {n for n in names if naming.is_valid_name(n)}))
+
+
+def check_upstream_limits(ctx: Context) -> list[CheckResult]:
+    from .host_hazards import check_upstream_limits as upstream
+
+    return _finding("upstream-limits", upstream(ctx.python, ctx.environ, ctx.timeout), Group.CONFIGURATION)
 
 
 # configuration --------------------------------------------------------------
@@ -629,6 +682,14 @@ CHECKS: tuple[Check, ...] = (
     Check("tmp", Group.ENVIRONMENT, "/tmp sticky when world-writable", check_tmp),
     Check("proc", Group.ENVIRONMENT, "/proc readable, hidepid", check_proc),
     Check("privileges", Group.ENVIRONMENT, "who we run as and what we may clean", check_privileges),
+    Check("sight", Group.ENVIRONMENT, "every process's fds, maps and status readable: hostPID, hidepid, "
+          "CAP_SYS_PTRACE, security modules", check_sight),
+    Check("logind", Group.ENVIRONMENT, "systemd-logind RemoveIPC=yes and serves of users without lingering",
+          check_logind),
+    Check("tmpfiles", Group.ENVIRONMENT, "systemd-tmpfiles rules that age kvcached's paths in /dev/shm or /tmp",
+          check_tmpfiles),
+    Check("upstream-limits", Group.CONFIGURATION, "upstream kvcached's in-process revisioned limits next to "
+          "kvctl limit", check_upstream_limits),
     Check("ipc-name", Group.CONFIGURATION, "KVCACHED_IPC_NAME sanitised vs. raw", check_ipc_name),
     Check("socket-paths", Group.CONFIGURATION, "socket paths within 108 bytes", check_socket_paths),
     Check("extension", Group.CONFIGURATION, "compiled extension loadable (in a subprocess)", check_extension),

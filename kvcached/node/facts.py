@@ -16,6 +16,7 @@ from typing import NamedTuple
 from .lease import LockEntry, read_proc_locks
 from .mounts import hidepid
 from .naming import ENV_NAME, sanitize
+from .sight import hides_other_users
 
 # Process start times come from boot-relative ticks plus a whole-second btime,
 # so they can be off by up to a second: a process is taken to have started
@@ -81,6 +82,9 @@ class Facts:
     unreadable_netns: set[str] = field(default_factory=set)
     unreadable_pids: dict[int, frozenset[str]] = field(default_factory=dict)
     hidepid: bool = False
+    # hidepid hides other users' processes from this pass (we can see past it by neither CAP_SYS_PTRACE nor gid=):
+    # a candidate of another user may have owners the pass never listed
+    hidden_users: bool = False
     errors: list[str] = field(default_factory=list)
     # (st_dev, st_ino) -> pids mapping it; None until first needed (see mapped())
     mapped_files: dict[tuple[int, int], list[int]] | None = None
@@ -248,6 +252,16 @@ class Facts:
             pids |= self.socket_holders.get(ino, set())
         return tuple(sorted(pids))
 
+    def uid_of(self, pid: int) -> int | None:
+        """The owner of a process the pass recorded, None when it did not (sight.PassView)."""
+        p = self.processes.get(pid)
+        return None if p is None else p.uid
+
+    def engine_like(self, pid: int) -> bool:
+        """Whether a process the pass recorded could be part of a deployment (sight.PassView)."""
+        p = self.processes.get(pid)
+        return p is not None and p.engine_like
+
     def blind_spots(self, uid: int) -> list[int]:
         """Engine-like processes of `uid` that we could not fully read.
 
@@ -335,15 +349,6 @@ def process_start_time(pid: int, proc_root: str = "/proc") -> float | None:
     return None if gone else start
 
 
-def is_kernel_thread(pid: int, proc_root: str = "/proc") -> bool:
-    """Whether `pid` is a kernel thread in this procfs (they live only in the initial PID namespace)."""
-    try:
-        raw = _read(f"{proc_root}/{pid}/stat")
-        return bool(int(raw[raw.rindex(b")") + 2:].split()[6]) & PF_KTHREAD)
-    except (OSError, ValueError, IndexError):
-        return False
-
-
 def _env_ipc_name(raw: bytes) -> str | None:
     # One search rather than splitting the whole environment: a pass reads every
     # process's, and the first KVCACHED_IPC_NAME= item is the one getenv returns.
@@ -422,6 +427,10 @@ def _scan_fds(fd_dir: str, shm_files: set[tuple[int, int]], sockets: set[int]) -
     for fd in os.listdir(fd_dir):
         try:
             target = os.readlink(f"{fd_dir}/{fd}")
+        except PermissionError:
+            # Root without CAP_SYS_PTRACE may list another user's fd directory (DAC override) but not read
+            # a link in it: the process is unread, not empty.
+            raise
         except OSError:
             continue  # closed between listdir and readlink
         if target.startswith("socket:["):
@@ -520,6 +529,7 @@ def gather_facts(proc_root: str = "/proc") -> Facts:
 
     facts = Facts(proc_root=proc_root, my_mnt_ns=my_ns("mnt"), my_net_ns=my_ns("net"))
     facts.hidepid = hidepid(proc_root)
+    facts.hidden_users = facts.hidepid and hides_other_users(proc_root)
     try:
         btime = _boot_time(proc_root)
         pids = [int(n) for n in os.listdir(proc_root) if n.isdigit()]

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .engines import EnginePlan, EngineReport
     from .facts import Facts
     from .metrics import Sink
+    from .sight import Sight
 
 
 class NoMatch(KvcachedError):
@@ -97,6 +98,7 @@ class GcResult:
     killed: list[Any] = field(default_factory=list)     # orphans.KillResult
     declined: bool = False             # stale entries remain because nobody confirmed
     engines: EngineReport | None = None  # the engine leftovers' report, when the run judged them
+    sight: Sight | None = None         # what the run could not see (sight.py): blind when it has reasons
 
 
 # (plan, the same plan as a dry run) -> remove?; None: nobody to ask (cron), so do not remove.
@@ -191,9 +193,12 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
         elif opts.names:
             raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
         else:
+            from .sight import assess
+
             now = time.time()
+            # No pass ran (nothing here could be ours): sight from the credentials and the /proc mount alone.
             result = GcResult(report=Report(dry_run=opts.dry_run, entries=[], errors=[], started=now, finished=now),
-                              dry_run=opts.dry_run, outcome=Outcome.CLEAN)
+                              dry_run=opts.dry_run, outcome=Outcome.CLEAN, sight=assess(opts.proc_root))
     finally:
         if lock is not None:
             lock.release()
@@ -203,7 +208,7 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
         metrics.write_report(opts.prometheus, result.report,
                              success=result.outcome is Outcome.CLEAN and not result.dry_run,
                              orphans=len(result.orphans), started=wall_start, engines=result.engines,
-                             sink=opts.metrics_sink)
+                             sink=opts.metrics_sink, blind=result.sight is not None and result.sight.blind)
     return result
 
 
@@ -275,8 +280,11 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
         from .engines import execute_engines
 
         engines = execute_engines(ep, dry_run=dry, time_limit=left(), progress=progress)
+    from .sight import assess
+
     return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed, engines), orphans=orphans,
-                    killable=killable, killed=killed, declined=declined, engines=engines)
+                    killable=killable, killed=killed, declined=declined, engines=engines,
+                    sight=assess(opts.proc_root, p.facts))
 
 
 def _refuse_engine_name(name: str) -> None:

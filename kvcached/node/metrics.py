@@ -90,11 +90,13 @@ def _metric(lines: list[str], name: str, kind: str, help_: str, samples: Samples
 
 
 def render(report: Report, *, success: bool, orphans: int = 0, last_success: float | None = None,
-           started: float | None = None, engines: EngineReport | None = None) -> str:
+           started: float | None = None, engines: EngineReport | None = None, blind: bool | None = None) -> str:
     """The textfile body for one run; `started` (default: the report's) times the whole run.
 
     With `engines` (a run that also judged the engines' leftovers), their
-    counts and bytes by engine and state follow (render_engines).
+    counts and bytes by engine and state follow (render_engines). `blind`:
+    whether the run could not see every process (sight.py); None writes no
+    `kvctl_gc_blind` (a caller that did not ask).
     """
     lines: list[str] = []
 
@@ -112,6 +114,10 @@ def render(report: Report, *, success: bool, orphans: int = 0, last_success: flo
     metric("orphaned_processes", "gauge", "Orphaned kvcached processes seen by the last run.", [({}, orphans)])
     metric("lock_busy", "gauge", _HELP["lock_busy"], [({}, 0)])  # this run held the lock (write_lock_busy)
     metric("timed_out", "gauge", "1 when the last run hit its time limit.", [({}, int(report.timed_out))])
+    if blind is not None:
+        # 1 is an alert, not a state to live with: a blind run keeps what it cannot judge, forever (sight.py).
+        metric("blind", "gauge", "1 when the last run could not read every process (no hostPID, hidepid, not "
+               "root, a security module): what they may own was kept as unknown.", [({}, int(blind))])
     begun = report.started if started is None else started
     metric("duration_seconds", "gauge", _HELP["duration_seconds"], [({}, round(report.finished - begun, 6))])
     metric("last_run_timestamp_seconds", "gauge", _HELP["last_run_timestamp_seconds"],
@@ -220,11 +226,12 @@ def _put(path: str | None, sink: Sink | None, body: str) -> None:
 
 
 def write_report(path: str | None, report: Report, *, success: bool, orphans: int = 0,
-                 started: float | None = None, engines: EngineReport | None = None, sink: Sink | None = None) -> None:
+                 started: float | None = None, engines: EngineReport | None = None, sink: Sink | None = None,
+                 blind: bool | None = None) -> None:
     """Render one run's metrics to the textfile `path` and/or `sink`, keeping the last success of failed runs."""
     last = _value_in(_previous_text(path, sink), f"{PREFIX}_last_success_timestamp_seconds")
     _put(path, sink, render(report, success=success, orphans=orphans, last_success=last, started=started,
-                            engines=engines))
+                            engines=engines, blind=blind))
 
 
 _RUN_METRICS = {f"{PREFIX}_{m}": m for m in ("lock_busy", "duration_seconds", "last_run_timestamp_seconds")}

@@ -109,6 +109,27 @@ def _engine_hint(run: Globals, result: Any, min_age: float) -> None:
              f"not judged by plain gc: {run.hinter(min_age)('gc --engines')} removes the dead ones")
 
 
+def _blind_line(result: Any) -> str | None:
+    """What a blind run says (kvcached.node.sight): each cause, and that it kept what it could not judge."""
+    sight = result.sight
+    if sight is None or not sight.blind:
+        return None
+    causes = ", ".join(str(r.cause) for r in sight.reasons)
+    return (f"blind ({causes}): {sight.summary()}; what those processes may own is kept as unknown "
+            f"(kvctl doctor sight names each fix)")
+
+
+def _closing_lines(out: Out, run: Globals, result: Any, min_age: float, *, json_out: bool,
+                   names: Optional[list[str]]) -> None:
+    """After the report: whether the run was blind (stderr, every path), then orphans and the engine hint (text)."""
+    if (blind := _blind_line(result)) is not None:
+        log_line(f"kvctl gc: {blind}", "warning")  # cron's log and --json readers see it too
+    if not json_out:
+        _orphan_lines(out, run, result, min_age)
+        if result.engines is None and not names:
+            _engine_hint(run, result, min_age)
+
+
 def _run_line(result: Any, code: int) -> tuple[str, str]:
     """--every's line for one run, and its log level."""
     line = f"kvctl gc: {summary_line(result.report)[4:]}"
@@ -116,7 +137,9 @@ def _run_line(result: Any, code: int) -> tuple[str, str]:
         from ..render_engines import engine_summary_line
 
         line += f"; {engine_summary_line(result.engines)}"
-    level = "error" if code in (Exit.ERROR, Exit.PARTIAL_FAILURE) else "warning" if code else "info"
+    blind = _blind_line(result)
+    line += f"; {blind}" if blind else ""
+    level = "error" if code in (Exit.ERROR, Exit.PARTIAL_FAILURE) else "warning" if code or blind else "info"
     return f"{line} (exit {code})", level
 
 
@@ -361,8 +384,5 @@ def gc(
             from ..render_engines import log_engine_report
 
             log_engine_report(result.engines)
-    if not json_out:
-        _orphan_lines(out, run, result, min_age)
-        if result.engines is None and not names:
-            _engine_hint(run, result, min_age)
+    _closing_lines(out, run, result, min_age, json_out=json_out, names=names)
     return code
