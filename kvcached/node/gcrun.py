@@ -95,6 +95,7 @@ class GcResult:
     killed: list[Any] = field(default_factory=list)     # orphans.KillResult
     declined: bool = False             # stale entries remain because nobody confirmed
     engines: EngineReport | None = None  # the engine leftovers' report, when the run judged them
+    gpu: Any = None                    # gpu.GpuReport: the GPU holders, when the run judged engines
 
 
 # (plan, the same plan as a dry run) -> remove?; None: nobody to ask (cron), so do not remove.
@@ -155,7 +156,7 @@ def check_options(opts: GcOptions) -> None:
 
 
 def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: ConfirmKill | None = None,
-           progress: Callable[[Any], None] | None = None) -> GcResult:
+           progress: Callable[[Any], None] | None = None, confirm_gpu_kill: ConfirmKill | None = None) -> GcResult:
     """Lock, plan, (kill orphans, plan again), confirm, act within the time budget, write metrics.
 
     Raises gclock.LockBusy (metrics say so first), NoMatch, BadRequest, and
@@ -185,7 +186,7 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
     try:
         # Engine leftovers may sit where no kvcached name does (vLLM's sockets in /tmp): no shortcut then.
         if opts.engine_pass or may_hold_state(opts.layout.root):
-            result = _judge_and_act(opts, started, confirm, confirm_kill, progress)
+            result = _judge_and_act(opts, started, confirm, confirm_kill, progress, confirm_gpu_kill)
         elif opts.names:
             raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
         else:
@@ -200,7 +201,8 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
 
         metrics.write_report(opts.prometheus, result.report,
                              success=result.outcome is Outcome.CLEAN and not result.dry_run,
-                             orphans=len(result.orphans), started=wall_start, engines=result.engines)
+                             orphans=len(result.orphans), started=wall_start, engines=result.engines,
+                             gpu=result.gpu)
     return result
 
 
@@ -237,7 +239,7 @@ def _any_stale(p: Plan, ep: EnginePlan | None) -> bool:
 
 
 def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, confirm_kill: ConfirmKill | None,
-                   progress: Callable[[Any], None] | None) -> GcResult:
+                   progress: Callable[[Any], None] | None, confirm_gpu: ConfirmKill | None = None) -> GcResult:
     """gc's run under the lock: plan, orphans, confirmation, the guarded act."""
     from .cleanup import execute
 
@@ -254,17 +256,32 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
             # Their segment may be named only by the processes just killed: name it explicitly.
             p = _kvcached_plan(opts, extra=sorted({d.name for d, _ in targets}))
             orphans, killable, _ = _orphans(p)
+
+    def left() -> float | None:
+        # The bound covers the whole run: planning, killing and kvcached's removals count against it.
+        return max(1e-9, opts.time_limit - (time.monotonic() - started)) if opts.time_limit else None
+
+    gpu = None
+    if opts.engine_pass:
+        from .gpu import prepare
+
+        prepare(p.facts)  # the engine pass's one read of the maps also finds GPU mappings
     ep = _engine_plan(opts, p) if opts.engine_pass else None
+    if opts.engine_pass:
+        from .gpu.gcstep import gpu_step
+
+        gpu, ended = gpu_step(p.facts, kill=opts.kill_orphans, yes=opts.yes, dry_run=opts.dry_run,
+                              confirm=confirm_gpu, time_limit=left(), proc_root=opts.proc_root)
+        if ended:  # what they held (their /dev/shm buffers) is judged again without them
+            killed += ended
+            p = _kvcached_plan(opts)
+            ep = _engine_plan(opts, p)
     dry = opts.dry_run
     declined = False
     # Only a question needs to know whether anything is stale: a dry run and --yes skip the pass over every entry.
     if not dry and not opts.yes and _any_stale(p, ep):
         dry = confirm is None or not _ask(confirm, p, ep)
         declined = dry
-
-    def left() -> float | None:
-        # The bound covers the whole run: planning, killing and kvcached's removals count against it.
-        return max(1e-9, opts.time_limit - (time.monotonic() - started)) if opts.time_limit else None
 
     report = execute(p, dry_run=dry, time_limit=left(), progress=progress)
     engines = None
@@ -273,7 +290,7 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
 
         engines = execute_engines(ep, dry_run=dry, time_limit=left(), progress=progress)
     return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed, engines), orphans=orphans,
-                    killable=killable, killed=killed, declined=declined, engines=engines)
+                    killable=killable, killed=killed, declined=declined, engines=engines, gpu=gpu)
 
 
 def _refuse_engine_name(name: str) -> None:

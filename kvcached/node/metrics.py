@@ -12,7 +12,7 @@ import re
 import stat
 import tempfile
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .cleanup import Action, Report
 from .decide import State
@@ -189,11 +189,17 @@ def write_textfile(path: str, body: str) -> None:
 
 
 def write_report(path: str, report: Report, *, success: bool, orphans: int = 0,
-                 started: float | None = None, engines: EngineReport | None = None) -> None:
-    """Render and write one run's metrics, keeping the previous last-success time when this run failed."""
+                 started: float | None = None, engines: EngineReport | None = None, gpu: Any = None) -> None:
+    """Render and write one run's metrics, keeping the previous last-success time when this run failed.
+
+    `gpu` (a gpu.GpuReport, from runs that judged engines) adds the GPU holders' metrics."""
     last = previous_value(path, f"{PREFIX}_last_success_timestamp_seconds")
-    write_textfile(path, render(report, success=success, orphans=orphans, last_success=last, started=started,
-                                engines=engines))
+    body = render(report, success=success, orphans=orphans, last_success=last, started=started, engines=engines)
+    if gpu is not None:
+        from .gpu.metrics import render_gpu
+
+        body += render_gpu(gpu)
+    write_textfile(path, body)
 
 
 _RUN_METRICS = {f"{PREFIX}_{m}": m for m in ("lock_busy", "duration_seconds", "last_run_timestamp_seconds")}
