@@ -173,6 +173,10 @@ class Facts:
         self._device_maps[key] = out
         return out
 
+    def maps_read(self, devices: Iterable[int]) -> bool:
+        """Whether a read of every maps file has already collected the mappings on `devices`."""
+        return set(devices) <= self._maps_read
+
     def also_map(self, devices: Iterable[int]) -> None:
         """Devices whose mappings the next read of every maps file collects too (a later pass's question)."""
         self._maps_wanted |= set(devices) - self._maps_read

@@ -115,7 +115,10 @@ def test_gc_engines_kill_orphans_ends_orphans_waits_for_the_memory_and_keeps_the
     assert live_engine not in killed and live.poll() is None
     wait_for(lambda: not os.path.exists(f"/proc/{engine}") and not os.path.exists(f"/proc/{worker}"))
     metrics = prom.read_text()
-    assert "kvctl_gpu_orphan_processes 2" in metrics and 'kvctl_gpu_orphan_bytes{gpu="0"} 3221225472' in metrics
+    # Node-wide figures: at least this test's two orphans and the 3 GiB NVML gives the engine on GPU 0.
+    values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("kvctl_gpu_"))
+    assert int(values["kvctl_gpu_orphan_processes"]) >= 2
+    assert int(values['kvctl_gpu_orphan_bytes{gpu="0"}']) >= 3 * GiB
     assert 'kvctl_gpu_holders{state="serving"}' in metrics
 
 

@@ -14,7 +14,7 @@ def gpu_step(facts: Facts, *, kill: bool, yes: bool, dry_run: bool,
              proc_root: str = "/proc", grace: float = 5.0) -> tuple[GpuReport, list[Any]]:
     """(the holders, the kill results); orphans are ended only with `kill`, not in a dry run, and when the
     operator said yes (`yes`, or `confirm` on a terminal). An incomplete view ends nothing."""
-    report = find_holders(facts)
+    report = find_holders(facts, maps=None)  # the engine pass's read of the maps, if it made one
     targets = report.orphans
     if not (kill and targets and not dry_run and report.complete):
         return report, []

@@ -119,17 +119,27 @@ def _device_uses(facts: Facts, table: DeviceTable, known: dict[tuple[int, int], 
     """
     out: dict[int, dict[tuple[str, str], tuple[DeviceUse, str]]] = {}
     for pid, p in facts.processes.items():
-        for fd, target in p.paths:
-            try:
-                # Through the descriptor: the open file's node, whatever path or name it carries now.
-                st = os.stat(f"{facts.proc_root}/{pid}/fd/{fd}")
-            except OSError:
-                continue  # closed since the pass, or the process exited
-            if not stat.S_ISCHR(st.st_mode) or (dev := table.device(st.st_rdev)) is None:
-                continue
-            known[(st.st_dev, st.st_ino)] = dev
-            path = target.removesuffix(" (deleted)")
-            out.setdefault(pid, {}).setdefault((dev.name, path), (DeviceUse(dev, path, "fd"), fd))
+        if not p.paths:
+            continue
+        try:
+            dir_fd = os.open(f"{facts.proc_root}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue  # exited since the pass
+        try:
+            for fd, target in p.paths:
+                try:
+                    # Through the descriptor: the open file's node, whatever path or name it carries now. Relative
+                    # to the fd directory, opened once per process (the pass's costliest part is the path walk).
+                    st = os.stat(fd, dir_fd=dir_fd)
+                except OSError:
+                    continue  # closed since the pass
+                if not stat.S_ISCHR(st.st_mode) or (dev := table.device(st.st_rdev)) is None:
+                    continue
+                known[(st.st_dev, st.st_ino)] = dev
+                path = target.removesuffix(" (deleted)")
+                out.setdefault(pid, {}).setdefault((dev.name, path), (DeviceUse(dev, path, "fd"), fd))
+        finally:
+            os.close(dir_fd)
     return out
 
 
@@ -190,6 +200,7 @@ class _Roles:
         self._roles: dict[int, RoleInfo] = {}
         self._judged: dict[int, tuple[HolderState, str]] = {}
         self._children: dict[int, list[ProcessInfo]] | None = None
+        self._parents: dict[int, Parent] = {}
 
     def role(self, pid: int) -> RoleInfo:
         r = self._roles.get(pid)
@@ -208,7 +219,9 @@ class _Roles:
                 self._children.setdefault(c.ppid, []).append(c)
         p = self.facts.processes[pid]
         for child in self._children.get(pid, ()):
-            if child.pgid == p.pgid and classify_process(child).title.startswith("sglang::"):
+            # The title alone, not a full classification of every child: a launcher may have hundreds.
+            title = child.cmdline[0] if child.cmdline and child.cmdline[0].startswith("sglang::") else child.comm
+            if child.pgid == p.pgid and title.startswith("sglang::"):
                 return RoleInfo(role=Role.API, title="sglang main")
         return r
 
@@ -216,12 +229,15 @@ class _Roles:
         info = self.facts.processes.get(child.ppid)
         if info is None:
             return None
+        if info.pid in self._parents:
+            return self._parents[info.pid]
         try:
             with open(f"{self.facts.proc_root}/{info.pid}/status", "rb") as f:
                 ns_init = _status_nspids(f.read(), info.pid)[-1] == 1
         except OSError:
             ns_init = info.pid == 1
-        return Parent(info, self.role(info.pid), ns_init or info.pid == 1)
+        self._parents[info.pid] = Parent(info, self.role(info.pid), ns_init or info.pid == 1)
+        return self._parents[info.pid]
 
     def judged(self, pid: int) -> tuple[HolderState, str]:
         """The rule for `pid`; a serving engine child whose engine is itself an orphan is one too."""
@@ -271,17 +287,23 @@ def mapped_uses(facts: Facts, known: Mapping[tuple[int, int], Device],
 
 
 def find_holders(facts: Facts, *, table: DeviceTable | None = None, dirs: Sequence[str] = DEVICE_DIRS,
-                 memory: bool = True, nvml: Any = None) -> GpuReport:
+                 memory: bool = True, nvml: Any = None, maps: bool | None = True) -> GpuReport:
     """Every GPU holder the /proc pass can show, judged by the orphan rule, with its GPU memory where known.
 
     `nvml`: a callable returning nvml.GpuMemory (default: nvml.query, imported only when a holder
-    uses an NVIDIA device).
+    uses an NVIDIA device). `maps`: True reads every maps file where the run has not (inspect, doctor);
+    None uses the maps only when the run already read them (gc: reading them costs more than the
+    rest of gc --engines, and a holder seen only through a mapping is then not ended, never wrongly ended).
     """
     table = table or device_table(facts.proc_root)
     known: dict[tuple[int, int], Device] = {}
     uses = _device_uses(facts, table, known)
     devs = _dir_nodes((*dirs, *namespace_dirs(facts, dirs)), table, known)
-    mapped_uses(facts, known, uses, devs)
+    # Mappings are looked for on the device directories' filesystems only (devtmpfs, a container's /dev tmpfs),
+    # where every mapping is a device's: a node elsewhere (a test's tmp dir on the root filesystem) is found by
+    # its descriptors, and looking for it in maps would match every shared library mapped from that filesystem.
+    if maps or (maps is None and facts.maps_read(devs)):
+        mapped_uses(facts, {i: d for i, d in known.items() if i[0] in devs}, uses, devs)
     mem = GpuMemory(note="GPU memory not asked for") if not memory else None
     if mem is None and any(u.device.vendor is Vendor.NVIDIA for per in uses.values() for u, _ in per.values()):
         if nvml is None:
