@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -179,3 +181,66 @@ def test_sglang_children_reparented_to_init_are_orphans(gpu_nodes, standins, sch
     main.kill()
     main.wait()
     wait_for(lambda: _holders()[sched].state is HolderState.ORPHAN)
+
+
+VFORK_HOLDER = r"""
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    int fd = open(argv[1], O_PATH);
+    if (fd < 0 || prctl(PR_SET_NAME, "VLLM::EngineCor", 0, 0, 0) != 0) return 2;
+    FILE *f = fopen(argv[2], "w");
+    fprintf(f, "%d", getpid());
+    fclose(f);
+    /* The parent of a vfork waits for its child's exec or exit in a killable uninterruptible sleep: /proc shows
+       it in D until then, which is the one D state a test can make on purpose. */
+    if (vfork() == 0) { sleep(60); _exit(0); }
+    return 0;
+}
+"""
+
+
+def test_a_holder_in_uninterruptible_sleep_is_reported_and_not_waited_on_past_the_grace(gpu_nodes, tmp_path) -> None:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the vfork holder")
+    (tmp_path / "holder.c").write_text(VFORK_HOLDER)
+    exe = tmp_path / "holder"
+    subprocess.run([cc, "-O1", "-o", str(exe), str(tmp_path / "holder.c")], check=True, capture_output=True,
+                   timeout=120)
+    ready = tmp_path / "pid"
+    launcher = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                                 "subprocess.Popen(sys.argv[1:]); time.sleep(60)", str(exe), gpu_nodes["nvidia0"],
+                                 str(ready)], start_new_session=True)
+    child = None
+    try:
+        wait_for(lambda: ready.exists() and ready.read_text())
+        pid = int(ready.read_text())
+        wait_for_state(pid, "D")
+        child = int(open(f"/proc/{pid}/task/{pid}/children").read().split()[0])
+        launcher.kill()
+        launcher.wait()
+        wait_for(lambda: _holders()[pid].state is HolderState.ORPHAN)
+        h = _holders()[pid]
+        assert h.proc_state == "D"
+        report = find_holders(gather_facts(), memory=False)
+        assert pid in {s.pid for s in report.stuck}
+        # A real D holder may never wake; this one sleeps killably, so SIGKILL ends it. What the test proves: it
+        # gets SIGKILL at once and the wait on it is the grace, not the run's whole time limit.
+        t = time.monotonic()
+        (r,) = terminate_holders([h], grace=2.0, time_limit=60)
+        assert time.monotonic() - t < 10
+        assert r.outcome in (KillOutcome.TERMINATED, KillOutcome.FAILED), r
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            wait_for(lambda: not os.path.exists(f"/proc/{child}"), timeout=20)  # reaped by init
