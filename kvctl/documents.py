@@ -1,4 +1,4 @@
-"""kvctl's JSON documents: one builder per schema in kvctl/schemas/ (README.md, "JSON").
+"""kvctl's JSON documents: one builder per schema in kvctl/schemas/ (docs/KVCTL.md §9).
 
 The node layer gives each piece its dictionary (an entry, a process, a
 deployment: `to_dict`); these builders put the pieces into the documents
@@ -55,10 +55,10 @@ class EntryRows(list):  # list[dict[str, Any]]: the rows of Entry.to_dict
 
     A gc over a full node reports every entry (11,000 for 1,000 dead
     deployments), and `kvctl gc --json` only writes them: `json()` writes the
-    array from fragments encoded once per distinct decision, which cost a tenth
-    of json.dumps over the dicts, and the dicts themselves are made only when
-    the list is read as a list (building them was 4 % of `kvctl gc --dry-run
-    --json` end to end, bench/bench_gc.py). Every list operation makes them
+    array from fragments encoded once per distinct decision, far cheaper than
+    json.dumps over the dicts, and the dicts themselves are made only when
+    the list is read as a list (building them was a visible share of `kvctl gc --dry-run
+    --json` end to end, bench/bench_gc.py; bench/README.md). Every list operation makes them
     first (json.dumps' C encoder, too, reads a list subclass through
     `__iter__`). Rows appended later (`+=`, as gc --engines appends the
     engines' entries) are written by json.dumps. tests/cli/test_documents.py
@@ -171,7 +171,7 @@ def _holds_rows(obj: Any) -> bool:
 
 
 def _report(schema: str, root: str, report: Report, dry_run: bool, code: IntEnum, **extra: Any) -> dict[str, Any]:
-    # What gc and delete documents share, in the order README shows them; gc adds its orphans before errors.
+    # What gc and delete documents share, in the order docs/KVCTL.md §9 shows them; gc adds its orphans before errors.
     return {"schema": schema, "root": root, "dry_run": dry_run,
             "entries": EntryRows(report.entries), "summary": report.summary(), **extra,
             "errors": report.errors, "exit_code": int(code)}

@@ -94,7 +94,7 @@ def _d(state: State, reason: Reason, detail: str, pids: Sequence[int] = ()) -> D
 
 
 # The outcomes whose wording never varies, built once: most of a full node's
-# entries end in one of these, and a frozen dataclass costs microseconds to build.
+# entries end in one of these, and a frozen dataclass is slow to build (bench/README.md).
 _SYMLINK = _d(State.FOREIGN, Reason.SYMLINK, "a symbolic link; never followed")
 _BAD_HASH = _d(State.FOREIGN, Reason.BAD_HASH, "hash suffix does not match the name")
 _MOUNT_POINT = _d(State.FOREIGN, Reason.MOUNT_POINT, "a mount point; never crossed")

@@ -29,7 +29,7 @@ class ProcessInfo(NamedTuple):
     """One process as /proc showed it; identity is (pid, start_time).
 
     An immutable NamedTuple, not a frozen dataclass: a pass builds one per
-    process, and a frozen dataclass's __init__ costs microseconds per field set.
+    process, and a frozen dataclass's __init__ pays an object.__setattr__ per field (bench/README.md).
     """
 
     pid: int
@@ -104,7 +104,7 @@ class Facts:
     def locks(self) -> dict[tuple[int, int], list[LockEntry]]:
         """Every lock the kernel lists, read on first use.
 
-        A process's first read of /proc/locks costs milliseconds in the kernel,
+        A process's first read of /proc/locks is slow in the kernel (bench/README.md),
         which a kvctl run on a node with nothing to judge should not pay.
         """
         if self.lock_table is None:
@@ -389,7 +389,7 @@ def _env_ipc_name(raw: bytes) -> str | None:
 def _shm_maps(raw: bytes) -> set[tuple[int, int]]:
     out = set()
     # One search for the marker, not a split of every line: a Python process's maps has thousands of
-    # lines and a handful under /dev/shm (bench/bench_engines.py: splitting cost ~30 ms over 240 processes).
+    # lines and a handful under /dev/shm (bench/bench_engines.py measures the split; bench/README.md).
     at = raw.find(b"/dev/shm/")
     while at >= 0:
         start = raw.rfind(b"\n", 0, at) + 1

@@ -60,7 +60,7 @@ def test_gc_and_delete_documents_share_their_keys(node) -> None:
     validate(doc, "gc")
     assert doc["dry_run"] is True and {e["action"] for e in doc["entries"]} >= {"would_remove"}
     assert list(doc) == ["schema", "root", "dry_run", "entries", "summary", "orphans", "killed", "errors",
-                         "exit_code"]  # README's order
+                         "exit_code"]  # the order docs/KVCTL.md §9 shows
     report = run_delete(layout, name, grace=0.0)
     deleted = documents.delete_document(layout.root, report, Exit.OK)
     validate(deleted, "gc")
