@@ -192,8 +192,8 @@ SPECS = {
             {'names': ['--prometheus'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
              'help': 'Write node_exporter textfile metrics to FILE (atomically; a regular file or absent).'},
             {'names': ['--kill-orphans'], 'value': False, 'multiple': False, 'hidden': False, 'complete': None,
-             'help': 'Terminate orphaned workers of deployments whose engine is confirmed gone (asks first '
-                     'unless --yes).'},
+             'help': 'Terminate orphaned workers of deployments whose engine is confirmed gone; with --engines '
+                     'also orphaned engine processes that hold a GPU (docs/GPU.md). Asks first unless --yes.'},
             {'names': ['--every'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
              'help': 'Run again every DURATION (10% jitter; the first run at once) until SIGTERM or SIGINT, one '
                      'line per run; needs --yes or --dry-run; at least 10s.'},

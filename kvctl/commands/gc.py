@@ -212,8 +212,9 @@ def gc(
     kill_orphans: Annotated[
         bool,
         typer.Option("--kill-orphans", metavar="",
-                     help="Terminate orphaned workers of deployments whose engine is confirmed gone "
-                     "(asks first unless --yes)."),
+                     help="Terminate orphaned workers of deployments whose engine is confirmed gone; with "
+                     "--engines also orphaned engine processes that hold a GPU (docs/GPU.md). Asks first "
+                     "unless --yes."),
     ] = False,
     every: Annotated[
         Optional[float],
