@@ -197,6 +197,20 @@ SPECS = {
             {'names': ['--every'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
              'help': 'Run again every DURATION (10% jitter; the first run at once) until SIGTERM or SIGINT, one '
                      'line per run; needs --yes or --dry-run; at least 10s.'},
+            {'names': ['--heartbeat'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
+             'help': 'With --every: after every run, rewrite FILE (atomically) with when it finished and its '
+                     'exit code, for --check-heartbeat.'},
+            {'names': ['--check-heartbeat'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
+             'help': 'Run no gc: exit 0 when the last run recorded in FILE (by --heartbeat) finished at most '
+                     '--max-age ago, 8 when longer or when FILE holds no heartbeat (a liveness probe).'},
+            {'names': ['--max-age'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
+             'help': "With --check-heartbeat: the oldest last run that passes; give more than --every's DURATION"
+                     ' x 1.1 plus its --time-limit.'},
+            {'names': ['--metrics-port'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
+             'help': "With --every: serve the last run's metrics (the --prometheus text) over HTTP at /metrics "
+                     'on PORT, for Prometheus to scrape (default: no endpoint).'},
+            {'names': ['--metrics-address'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
+             'help': 'With --metrics-port: the address to listen on (0.0.0.0: every interface, as a pod needs).'},
             {'names': ['--json'], 'value': False, 'multiple': False, 'hidden': False, 'complete': None,
              'help': 'Print one JSON document on stdout (schema: kvctl/schemas/gc.json).'},
             {'names': ['--root'], 'value': True, 'multiple': False, 'hidden': True, 'complete': None, 'help': ''},

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .decide import Decision
     from .engines import EnginePlan, EngineReport
     from .facts import Facts
+    from .metrics import Sink
 
 
 class NoMatch(KvcachedError):
@@ -67,6 +68,7 @@ class GcOptions:
     time_limit: float | None = 300.0   # the whole run; None or 0: no bound
     kill_orphans: bool = False
     prometheus: str | None = None
+    metrics_sink: Sink | None = None   # also (or instead) serve each run's metrics there (gc --every --metrics-port)
     proc_root: str = "/proc"
     engines: bool = False              # also the engines' own leftovers (vLLM, SGLang, NCCL, CUDA)
     engine_kinds: Sequence[EngineKind] = ()  # `--kind` values of engine leftovers: only these (implies engines)
@@ -178,10 +180,10 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
         try:
             lock.acquire()
         except LockBusy:
-            if opts.prometheus:
+            if opts.prometheus or opts.metrics_sink:
                 from . import metrics
 
-                metrics.write_lock_busy(opts.prometheus, wall_start, time.time())
+                metrics.write_lock_busy(opts.prometheus, wall_start, time.time(), sink=opts.metrics_sink)
             raise
     try:
         # Engine leftovers may sit where no kvcached name does (vLLM's sockets in /tmp): no shortcut then.
@@ -196,13 +198,13 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
     finally:
         if lock is not None:
             lock.release()
-    if opts.prometheus:
+    if opts.prometheus or opts.metrics_sink:
         from . import metrics
 
         metrics.write_report(opts.prometheus, result.report,
                              success=result.outcome is Outcome.CLEAN and not result.dry_run,
                              orphans=len(result.orphans), started=wall_start, engines=result.engines,
-                             gpu=result.gpu)
+                             sink=opts.metrics_sink, gpu=result.gpu)
     return result
 
 

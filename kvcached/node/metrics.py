@@ -12,7 +12,7 @@ import re
 import stat
 import tempfile
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .cleanup import Action, Report
 from .decide import State
@@ -50,9 +50,23 @@ def _read_previous(path: str) -> str:
         os.close(fd)
 
 
+class Sink(Protocol):
+    """Somewhere besides the textfile that serves each run's metrics (kvcached.node.metrics_http's endpoint)."""
+
+    def previous(self) -> str:
+        """The body it serves now ('' before the first run)."""
+
+    def publish(self, body: str) -> None:
+        """Serve `body` from now on."""
+
+
 def previous_value(path: str, metric: str) -> float | None:
     """The value of an unlabelled `metric` in an existing textfile (to carry the last success across failed runs)."""
-    for line in _read_previous(path).splitlines():
+    return _value_in(_read_previous(path), metric)
+
+
+def _value_in(text: str, metric: str) -> float | None:
+    for line in text.splitlines():
         m = _SAMPLE_RE.match(line)
         if m and m.group(1) == metric and not m.group(2):
             try:
@@ -188,24 +202,42 @@ def write_textfile(path: str, body: str) -> None:
         raise
 
 
-def write_report(path: str, report: Report, *, success: bool, orphans: int = 0,
-                 started: float | None = None, engines: EngineReport | None = None, gpu: Any = None) -> None:
-    """Render and write one run's metrics, keeping the previous last-success time when this run failed.
+def _previous_text(path: str | None, sink: Sink | None) -> str:
+    """The last run's metrics: the sink's once it has served a run (it gets each body first), else the textfile's.
+
+    The textfile outlives the process, so a new loop's first run carries the
+    last success of the one before it.
+    """
+    previous = sink.previous() if sink is not None else ""
+    return previous or (_read_previous(path) if path else "")
+
+
+def _put(path: str | None, sink: Sink | None, body: str) -> None:
+    if sink is not None:  # first: a textfile that cannot be written must not leave the endpoint a run behind
+        sink.publish(body)
+    if path:
+        write_textfile(path, body)
+
+
+def write_report(path: str | None, report: Report, *, success: bool, orphans: int = 0,
+                 started: float | None = None, engines: EngineReport | None = None, sink: Sink | None = None,
+                 gpu: Any = None) -> None:
+    """Render one run's metrics to the textfile `path` and/or `sink`, keeping the last success of failed runs.
 
     `gpu` (a gpu.GpuReport, from runs that judged engines) adds the GPU holders' metrics."""
-    last = previous_value(path, f"{PREFIX}_last_success_timestamp_seconds")
+    last = _value_in(_previous_text(path, sink), f"{PREFIX}_last_success_timestamp_seconds")
     body = render(report, success=success, orphans=orphans, last_success=last, started=started, engines=engines)
     if gpu is not None:
         from .gpu.metrics import render_gpu
 
         body += render_gpu(gpu)
-    write_textfile(path, body)
+    _put(path, sink, body)
 
 
 _RUN_METRICS = {f"{PREFIX}_{m}": m for m in ("lock_busy", "duration_seconds", "last_run_timestamp_seconds")}
 
 
-def write_lock_busy(path: str, started: float, finished: float) -> None:
+def write_lock_busy(path: str | None, started: float, finished: float, *, sink: Sink | None = None) -> None:
     """A run that found the lock busy: say so, and keep every count the last real run wrote.
 
     Writing zeros would tell an alert on `kvctl_gc_stale_entries` that the node
@@ -215,7 +247,7 @@ def write_lock_busy(path: str, started: float, finished: float) -> None:
               "last_run_timestamp_seconds": round(finished, 3)}
     seen: set[str] = set()
     lines: list[str] = []
-    for line in _read_previous(path).splitlines():
+    for line in _previous_text(path, sink).splitlines():
         m = _SAMPLE_RE.match(line)
         if m and m.group(1) in _RUN_METRICS and not m.group(2):
             short = _RUN_METRICS[m.group(1)]
@@ -226,7 +258,7 @@ def write_lock_busy(path: str, started: float, finished: float) -> None:
         if short not in seen:
             full = f"{PREFIX}_{short}"
             lines += [f"# HELP {full} {_HELP[short]}", f"# TYPE {full} gauge", f"{full} {_number(values[short])}"]
-    write_textfile(path, "\n".join(lines) + "\n")
+    _put(path, sink, "\n".join(lines) + "\n")
 
 
 _HELP = {"lock_busy": "1 when the last run found another gc holding the lock.",
