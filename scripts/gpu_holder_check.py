@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -141,6 +142,7 @@ def main() -> int:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        shutil.rmtree(root, ignore_errors=True)
     return 1 if failed else 0
 
 
