@@ -213,9 +213,12 @@ def _inspect(view: NodeView) -> dict[str, Any]:
 
 
 def inspect_document(view: NodeView, pid: int | None,
-                     engines: Sequence[EngineEntry] = ()) -> dict[str, Any]:
-    """`inspect --json` (inspect.json): the node's view, the `--pid` it was seen through, the engines' leftovers."""
-    return {**_inspect(view), "pid": pid, "engine_state": [e.to_dict() for e in engines]}
+                     engines: Sequence[EngineEntry] = (), gpu: Any = None) -> dict[str, Any]:
+    """`inspect --json` (inspect.json): the node's view, the `--pid` it was seen through, the engines' leftovers,
+    the GPU holders (kvcached.node.gpu.GpuReport)."""
+    return {**_inspect(view), "pid": pid, "engine_state": [e.to_dict() for e in engines],
+            "gpu_holders": [] if gpu is None else gpu.to_list(),
+            "gpu_memory_note": None if gpu is None else gpu.memory_note}
 
 
 def doctor_document(root: str, results: Sequence[CheckResult], *, healthy: bool, strict: bool,

@@ -483,6 +483,14 @@ def check_orphans(ctx: Context) -> list[CheckResult]:
     )
 
 
+def check_gpu_orphans(ctx: Context) -> list[CheckResult]:
+    """Orphaned engine processes holding a GPU (kvcached.node.gpu)."""
+    from .gpu.doctor import gpu_orphan_findings
+
+    return [CheckResult("gpu-orphans", Group.NODE, Status(status), summary, fix, details)
+            for status, summary, fix, details in gpu_orphan_findings(ctx.plan.facts, ctx.kvctl)]
+
+
 def check_namespaces(ctx: Context) -> list[CheckResult]:
     ns = ctx.view.namespaces
     if not ns:
@@ -695,6 +703,7 @@ CHECKS: tuple[Check, ...] = (
     Check("extension", Group.CONFIGURATION, "compiled extension loadable (in a subprocess)", check_extension),
     Check("stale", Group.NODE, "stale, unknown and foreign entries (the scan gc uses)", check_stale),
     Check("orphans", Group.NODE, "orphaned workers", check_orphans),
+    Check("gpu-orphans", Group.NODE, "engine processes holding a GPU after their serve is gone", check_gpu_orphans),
     Check("namespaces", Group.NODE, "deployments in other mount namespaces", check_namespaces),
     Check("engine-leftovers", Group.NODE, "what the engines, NCCL and CUDA IPC left that is provably dead",
           check_engine_leftovers),

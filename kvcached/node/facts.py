@@ -46,6 +46,9 @@ class ProcessInfo(NamedTuple):
     mnt_ns: str | None
     net_ns: str | None
     unreadable: frozenset[str]  # which of environ / fd / ns could not be read (maps: Facts.unreadable_pids)
+    # (fd, target) of each descriptor naming a path outside /dev/shm: what the GPU-holder pass stats
+    # (kvcached/node/gpu/holders.py), so that it lists no fd directory again
+    paths: tuple[tuple[str, str], ...] = ()
 
     @property
     def complete(self) -> bool:
@@ -95,6 +98,11 @@ class Facts:
     _device_maps: dict[frozenset[int], dict[tuple[int, int], list[int]]] = field(
         default_factory=dict, repr=False, compare=False)
     _ns_pids: dict[int, tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
+    # map_users' reads by device: what was read, and what a later pass asked to be read with it (also_map)
+    _per_device: dict[int, dict[tuple[int, int], list[int]]] = field(default_factory=dict, repr=False,
+                                                                     compare=False)
+    _maps_read: set[int] = field(default_factory=set, repr=False, compare=False)
+    _maps_wanted: set[int] = field(default_factory=set, repr=False, compare=False)
 
     @property
     def locks(self) -> dict[tuple[int, int], list[LockEntry]]:
@@ -155,14 +163,33 @@ class Facts:
 
         By device, not by path: a process may map a /dev/shm file through any
         mount of that tmpfs. The same read fills `mapped()` when it has not
-        run yet, so a run that asks for both reads each maps file once.
+        run yet, and collects the devices `also_map` asked for, so a run whose
+        passes ask for several read each maps file once.
         """
         key = frozenset(devices)
         if key in self._device_maps:
             return self._device_maps[key]
+        if key - self._maps_read:
+            self._read_device_maps(key | self._maps_wanted)
+        out: dict[tuple[int, int], list[int]] = {}
+        for dev in key:
+            out.update(self._per_device.get(dev, {}))  # idents carry their device: no two devices share one
+        self._device_maps[key] = out
+        return out
+
+    def maps_read(self, devices: Iterable[int]) -> bool:
+        """Whether a read of every maps file has already collected the mappings on `devices`."""
+        return set(devices) <= self._maps_read
+
+    def also_map(self, devices: Iterable[int]) -> None:
+        """Devices whose mappings the next read of every maps file collects too (a later pass's question)."""
+        self._maps_wanted |= set(devices) - self._maps_read
+
+    def _read_device_maps(self, key: frozenset[int]) -> None:
         needles = [(dev, f" {os.major(dev):02x}:{os.minor(dev):02x} ".encode()) for dev in key]
         plain: dict[tuple[int, int], list[int]] | None = {} if self.mapped_files is None else None
-        out: dict[tuple[int, int], list[int]] = {}
+        for dev in key:
+            self._per_device[dev] = {}
         for pid in self.processes:
             if (raw := self._read_maps(pid)) is None:
                 continue
@@ -170,12 +197,12 @@ class Facts:
                 for ident in _shm_maps(raw):
                     plain.setdefault(ident, []).append(pid)
             for ident in _device_maps(raw, needles):
-                out.setdefault(ident, []).append(pid)
+                self._per_device[ident[0]].setdefault(ident, []).append(pid)
         if plain is not None:
             self.mapped_files = plain
-        self._device_maps[key] = out
+        self._maps_read |= key
+        self._maps_wanted -= key
         self._blind = None
-        return out
 
     def _read_maps(self, pid: int) -> bytes | None:
         """/proc/<pid>/maps, or None where it cannot be read.
@@ -423,7 +450,8 @@ def _status_nspids(raw: bytes, pid: int) -> tuple[int, ...]:
         return (pid,)
 
 
-def _scan_fds(fd_dir: str, shm_files: set[tuple[int, int]], sockets: set[int]) -> None:
+def _scan_fds(fd_dir: str, shm_files: set[tuple[int, int]], sockets: set[int],
+              paths: list[tuple[str, str]]) -> None:
     for fd in os.listdir(fd_dir):
         try:
             target = os.readlink(f"{fd_dir}/{fd}")
@@ -435,7 +463,10 @@ def _scan_fds(fd_dir: str, shm_files: set[tuple[int, int]], sockets: set[int]) -
             continue  # closed between listdir and readlink
         if target.startswith("socket:["):
             sockets.add(int(target[8:-1]))
-        elif "/dev/shm/" in target:  # also under a --root test tree
+        elif "/dev/shm/" not in target:
+            if target[:1] == "/":
+                paths.append((fd, target))  # a device node may sit at any path: only its number tells
+        else:  # also under a --root test tree
             try:
                 st = os.stat(f"{fd_dir}/{fd}")  # through the fd: the open file, not the path
             except OSError:
@@ -456,6 +487,7 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
     unreadable: set[str] = set()
     shm: set[tuple[int, int]] = set()
     sockets: set[int] = set()
+    paths: list[tuple[str, str]] = []
     # Straight-line reads, no helper closures: this runs once per process on the node.
     ipc_name = None
     try:
@@ -465,7 +497,7 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
             return None
         unreadable.add("environ")  # EACCES/EPERM and anything unexpected: we could not see it
     try:
-        _scan_fds(f"{base}/fd", shm, sockets)
+        _scan_fds(f"{base}/fd", shm, sockets, paths)
     except OSError as e:
         if _gone(e):
             return None
@@ -491,7 +523,8 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
     except OSError:
         return None
     return ProcessInfo(pid, start, ppid, pgid, uid, comm, cmdline, ipc_name,
-                       frozenset(sockets), frozenset(shm), ns["mnt"], ns["net"], frozenset(unreadable))
+                       frozenset(sockets), frozenset(shm), ns["mnt"], ns["net"], frozenset(unreadable),
+                       tuple(paths))
 
 
 def _gone(e: OSError) -> bool:

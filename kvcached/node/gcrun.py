@@ -99,6 +99,7 @@ class GcResult:
     declined: bool = False             # stale entries remain because nobody confirmed
     engines: EngineReport | None = None  # the engine leftovers' report, when the run judged them
     sight: Sight | None = None         # what the run could not see (sight.py): blind when it has reasons
+    gpu: Any = None                    # gpu.GpuReport: the GPU holders, when the run judged engines
 
 
 # (plan, the same plan as a dry run) -> remove?; None: nobody to ask (cron), so do not remove.
@@ -159,7 +160,7 @@ def check_options(opts: GcOptions) -> None:
 
 
 def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: ConfirmKill | None = None,
-           progress: Callable[[Any], None] | None = None) -> GcResult:
+           progress: Callable[[Any], None] | None = None, confirm_gpu_kill: ConfirmKill | None = None) -> GcResult:
     """Lock, plan, (kill orphans, plan again), confirm, act within the time budget, write metrics.
 
     Raises gclock.LockBusy (metrics say so first), NoMatch, BadRequest, and
@@ -189,7 +190,7 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
     try:
         # Engine leftovers may sit where no kvcached name does (vLLM's sockets in /tmp): no shortcut then.
         if opts.engine_pass or may_hold_state(opts.layout.root):
-            result = _judge_and_act(opts, started, confirm, confirm_kill, progress)
+            result = _judge_and_act(opts, started, confirm, confirm_kill, progress, confirm_gpu_kill)
         elif opts.names:
             raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
         else:
@@ -208,7 +209,8 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
         metrics.write_report(opts.prometheus, result.report,
                              success=result.outcome is Outcome.CLEAN and not result.dry_run,
                              orphans=len(result.orphans), started=wall_start, engines=result.engines,
-                             sink=opts.metrics_sink, blind=result.sight is not None and result.sight.blind)
+                             sink=opts.metrics_sink, blind=result.sight is not None and result.sight.blind,
+                             gpu=result.gpu)
     return result
 
 
@@ -245,7 +247,7 @@ def _any_stale(p: Plan, ep: EnginePlan | None) -> bool:
 
 
 def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, confirm_kill: ConfirmKill | None,
-                   progress: Callable[[Any], None] | None) -> GcResult:
+                   progress: Callable[[Any], None] | None, confirm_gpu: ConfirmKill | None = None) -> GcResult:
     """gc's run under the lock: plan, orphans, confirmation, the guarded act."""
     from .cleanup import execute
 
@@ -262,17 +264,32 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
             # Their segment may be named only by the processes just killed: name it explicitly.
             p = _kvcached_plan(opts, extra=sorted({d.name for d, _ in targets}))
             orphans, killable, _ = _orphans(p)
+
+    def left() -> float | None:
+        # The bound covers the whole run: planning, killing and kvcached's removals count against it.
+        return max(1e-9, opts.time_limit - (time.monotonic() - started)) if opts.time_limit else None
+
+    gpu = None
+    if opts.engine_pass:
+        from .gpu import prepare
+
+        prepare(p.facts)  # the engine pass's one read of the maps also finds GPU mappings
     ep = _engine_plan(opts, p) if opts.engine_pass else None
+    if opts.engine_pass:
+        from .gpu.gcstep import gpu_step
+
+        gpu, ended = gpu_step(p.facts, kill=opts.kill_orphans, yes=opts.yes, dry_run=opts.dry_run,
+                              confirm=confirm_gpu, time_limit=left(), proc_root=opts.proc_root)
+        if ended:  # what they held (their /dev/shm buffers) is judged again without them
+            killed += ended
+            p = _kvcached_plan(opts)
+            ep = _engine_plan(opts, p)
     dry = opts.dry_run
     declined = False
     # Only a question needs to know whether anything is stale: a dry run and --yes skip the pass over every entry.
     if not dry and not opts.yes and _any_stale(p, ep):
         dry = confirm is None or not _ask(confirm, p, ep)
         declined = dry
-
-    def left() -> float | None:
-        # The bound covers the whole run: planning, killing and kvcached's removals count against it.
-        return max(1e-9, opts.time_limit - (time.monotonic() - started)) if opts.time_limit else None
 
     report = execute(p, dry_run=dry, time_limit=left(), progress=progress)
     engines = None
@@ -284,7 +301,7 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
 
     return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed, engines), orphans=orphans,
                     killable=killable, killed=killed, declined=declined, engines=engines,
-                    sight=assess(opts.proc_root, p.facts))
+                    sight=assess(opts.proc_root, p.facts), gpu=gpu)
 
 
 def _refuse_engine_name(name: str) -> None:

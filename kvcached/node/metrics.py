@@ -12,7 +12,7 @@ import re
 import stat
 import tempfile
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .cleanup import Action, Report
 from .decide import State
@@ -227,11 +227,18 @@ def _put(path: str | None, sink: Sink | None, body: str) -> None:
 
 def write_report(path: str | None, report: Report, *, success: bool, orphans: int = 0,
                  started: float | None = None, engines: EngineReport | None = None, sink: Sink | None = None,
-                 blind: bool | None = None) -> None:
-    """Render one run's metrics to the textfile `path` and/or `sink`, keeping the last success of failed runs."""
+                 blind: bool | None = None, gpu: Any = None) -> None:
+    """Render one run's metrics to the textfile `path` and/or `sink`, keeping the last success of failed runs.
+
+    `gpu` (a gpu.GpuReport, from runs that judged engines) adds the GPU holders' metrics."""
     last = _value_in(_previous_text(path, sink), f"{PREFIX}_last_success_timestamp_seconds")
-    _put(path, sink, render(report, success=success, orphans=orphans, last_success=last, started=started,
-                            engines=engines, blind=blind))
+    body = render(report, success=success, orphans=orphans, last_success=last, started=started, engines=engines,
+                  blind=blind)
+    if gpu is not None:
+        from .gpu.metrics import render_gpu
+
+        body += render_gpu(gpu)
+    _put(path, sink, body)
 
 
 _RUN_METRICS = {f"{PREFIX}_{m}": m for m in ("lock_busy", "duration_seconds", "last_run_timestamp_seconds")}

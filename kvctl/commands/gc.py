@@ -78,14 +78,25 @@ def _run(opts: Any, out: Out, run: Globals, json_out: bool) -> Any:
         from ..progress import Progress
 
         with Progress() as progress:
-            return run_gc(opts, confirm=confirm, confirm_kill=_confirm_kill, progress=progress)
-    return run_gc(opts, confirm=confirm, confirm_kill=_confirm_kill)
+            return run_gc(opts, confirm=confirm, confirm_kill=_confirm_kill, progress=progress,
+                          confirm_gpu_kill=_confirm_gpu_kill)
+    return run_gc(opts, confirm=confirm, confirm_kill=_confirm_kill, confirm_gpu_kill=_confirm_gpu_kill)
+
+
+def _confirm_gpu_kill(holders: list[Any]) -> bool:
+    from ..render_gpu import confirm_text
+
+    return interactive() and typer.confirm(confirm_text(holders), default=False, err=True)
 
 
 def _orphan_lines(out: Out, run: Globals, result: Any, min_age: float) -> None:
     """What happened to orphans killed, or how to kill the ones found."""
     for k in result.killed:
         out.line(f"orphan PID {k.pid}: {k.outcome}" + (f" ({k.detail})" if k.detail else ""))
+    if result.gpu is not None:
+        from ..render_gpu import gc_lines
+
+        gc_lines(out, result.gpu, result.killed, run.hinter(min_age))
     if result.orphans and not result.killed:
         hint = run.hinter(min_age)
         for d, o in result.orphans:
@@ -329,8 +340,9 @@ def gc(
     kill_orphans: Annotated[
         bool,
         typer.Option("--kill-orphans", metavar="",
-                     help="Terminate orphaned workers of deployments whose engine is confirmed gone "
-                     "(asks first unless --yes)."),
+                     help="Terminate orphaned workers of deployments whose engine is confirmed gone; with "
+                     "--engines also orphaned engine processes that hold a GPU (docs/GPU.md). Asks first "
+                     "unless --yes."),
     ] = False,
     every: Annotated[
         Optional[float],
