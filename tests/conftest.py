@@ -124,18 +124,23 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     return SGLangTogether(config, log)  # type: ignore[arg-type]
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On xdist's workers, the SGLang tests first: their unit, the longest, starts at once on one worker.
+VLLM_TESTS = "tests/vllm/"
 
-    xdist hands out units in collection order, one to each worker and the next
-    to whichever runs short; the other worker meanwhile takes everything else.
-    Every worker collects, and every one orders alike, as xdist requires.
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The vLLM tests first, then the SGLang tests, then the rest, in one process as on xdist's workers.
+
+    The vLLM tests fork whole serves from the test process, and a serve forked
+    from a process that imported SGLang (the `sgl` fixture) never gets its
+    workers up: no vLLM test may run after an SGLang one in the same process.
+    xdist hands out units in collection order, so by the time a worker takes
+    the SGLang unit (the longest) every vLLM file is handed out, and the rest
+    fill both workers around it. Every worker orders alike, as xdist requires.
     """
-    if not _is_worker(config):
-        return
-    first = [item for item in items if item.nodeid.startswith(SGLANG_TESTS)]
-    chosen = set(first)
-    items[:] = first + [item for item in items if item not in chosen]
+    def rank(item: pytest.Item) -> int:
+        return 0 if item.nodeid.startswith(VLLM_TESTS) else 1 if item.nodeid.startswith(SGLANG_TESTS) else 2
+
+    items.sort(key=rank)  # stable: each part keeps its own order
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
