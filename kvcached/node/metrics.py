@@ -12,16 +12,10 @@ import re
 import stat
 import tempfile
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-from .cleanup import Action, Report
-from .decide import State
-from .enums import Engine
+from .enums import Action, Engine, Kind, State
 from .errors import KvcachedError
-from .scan import Kind
-
-if TYPE_CHECKING:  # the engine pass is imported only by runs that ask for engine state
-    from .engines import EngineReport
+from .report import Report, Source
 
 PREFIX = "kvctl_gc"
 _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -76,13 +70,16 @@ def _metric(lines: list[str], name: str, kind: str, help_: str, samples: Samples
 
 
 def render(report: Report, *, success: bool, orphans: int = 0, last_success: float | None = None,
-           started: float | None = None, engines: EngineReport | None = None) -> str:
+           started: float | None = None) -> str:
     """The textfile body for one run; `started` (default: the report's) times the whole run.
 
-    With `engines` (a run that also judged the engines' leftovers), their
-    counts and bytes by engine and state follow (render_engines).
+    The entry metrics count kvcached's part of the report; a run that also
+    judged the engines' leftovers adds their counts and bytes by engine and
+    state (render_engines). Failures and the time limit are the whole run's.
     """
     lines: list[str] = []
+    whole = report
+    report = whole.part(Source.KVCACHED) or whole
 
     def metric(name: str, kind: str, help_: str, samples: Samples) -> None:
         _metric(lines, name, kind, help_, samples)
@@ -94,25 +91,26 @@ def render(report: Report, *, success: bool, orphans: int = 0, last_success: flo
            [({"kind": k}, sum(1 for e in report.stale_remaining if e.kind is Kind(k))) for k in kinds])
     metric("removed", "gauge", "Entries removed by the last run, by kind.",
            [({"kind": k}, report.count(action=Action.REMOVED, kind=Kind(k))) for k in kinds])
-    metric("failures", "gauge", "Removals that failed in the last run.", [({}, len(report.failures))])
+    metric("failures", "gauge", "Removals that failed in the last run.", [({}, len(whole.failures))])
     metric("orphaned_processes", "gauge", "Orphaned kvcached processes seen by the last run.", [({}, orphans)])
     metric("lock_busy", "gauge", _HELP["lock_busy"], [({}, 0)])  # this run held the lock (write_lock_busy)
-    metric("timed_out", "gauge", "1 when the last run hit its time limit.", [({}, int(report.timed_out))])
-    begun = report.started if started is None else started
-    metric("duration_seconds", "gauge", _HELP["duration_seconds"], [({}, round(report.finished - begun, 6))])
+    metric("timed_out", "gauge", "1 when the last run hit its time limit.", [({}, int(whole.timed_out))])
+    begun = whole.started if started is None else started
+    metric("duration_seconds", "gauge", _HELP["duration_seconds"], [({}, round(whole.finished - begun, 6))])
     metric("last_run_timestamp_seconds", "gauge", _HELP["last_run_timestamp_seconds"],
-           [({}, round(report.finished, 3))])
+           [({}, round(whole.finished, 3))])
     if success:
-        last_success = report.finished
+        last_success = whole.finished
     if last_success is not None:
         metric("last_success_timestamp_seconds", "gauge",
                "When a run last finished with no failures and no stale entries left.", [({}, round(last_success, 3))])
+    engines = whole.part(Source.ENGINES)
     if engines is not None:
         lines.append(render_engines(engines).rstrip("\n"))
     return "\n".join(lines) + "\n"
 
 
-def render_engines(report: EngineReport) -> str:
+def render_engines(report: Report) -> str:
     """The engine leftovers' metrics: entries and bytes by engine and state, what was removed, what is left.
 
     Written only by runs that judged them (gc --engines). A plain run writes
@@ -189,11 +187,10 @@ def write_textfile(path: str, body: str) -> None:
 
 
 def write_report(path: str, report: Report, *, success: bool, orphans: int = 0,
-                 started: float | None = None, engines: EngineReport | None = None) -> None:
+                 started: float | None = None) -> None:
     """Render and write one run's metrics, keeping the previous last-success time when this run failed."""
     last = previous_value(path, f"{PREFIX}_last_success_timestamp_seconds")
-    write_textfile(path, render(report, success=success, orphans=orphans, last_success=last, started=started,
-                                engines=engines))
+    write_textfile(path, render(report, success=success, orphans=orphans, last_success=last, started=started))
 
 
 _RUN_METRICS = {f"{PREFIX}_{m}": m for m in ("lock_busy", "duration_seconds", "last_run_timestamp_seconds")}
