@@ -233,9 +233,8 @@ def _keep_all(actor: Actor, c: Candidate, decisions: dict[str, Decision], note: 
         actor.record(sub, d, Action.KEPT, note if d.state is State.STALE else "")
 
 
-def _act_segment(actor: Actor, shm_dir: str, c: Candidate, d: Decision) -> bool:
+def _act_segment(actor: Actor, dir_fd: int | tuple[Action, str], c: Candidate, d: Decision) -> bool:
     """Remove one stale segment under its exclusive lease and flock; True when it is (or would be) gone."""
-    dir_fd = actor.directory(shm_dir)
     if not isinstance(dir_fd, int):
         actor.record(c, d, Action.FAILED, dir_fd[1])
         return False
@@ -320,7 +319,9 @@ def _stale_below(c: Candidate, decisions: dict[str, Decision]) -> bool:
 
 def _act(p: Plan, actor: Actor) -> None:
     """kvcached's order: segments first, then the socket directories (Plan.act)."""
-    shm_dir, tmp_dir = p.layout.shm_dir, p.layout.tmp_dir  # properties that normalise a path: once per run
+    # Each top directory asked for once, when a first entry needs it: a run with nothing stale opens neither.
+    shm_fd: int | tuple[Action, str] | None = None
+    tmp_fd: int | tuple[Action, str] | None = None
     gone: set[str] = set()
     for c in p.roots:
         if c.kind is not Kind.SEGMENT:
@@ -328,7 +329,10 @@ def _act(p: Plan, actor: Actor) -> None:
         d = p.decisions[c.path]
         if d.state is not State.STALE:
             actor.record(c, d, Action.KEPT)
-        elif _act_segment(actor, shm_dir, c, d):
+            continue
+        if shm_fd is None:
+            shm_fd = actor.directory(p.layout.shm_dir)
+        if _act_segment(actor, shm_fd, c, d):
             gone.add(c.path)
     for c in p.roots:
         if c.kind is Kind.SEGMENT:
@@ -337,7 +341,8 @@ def _act(p: Plan, actor: Actor) -> None:
         note = ""
         if seg is not None and seg.path not in gone and p.decisions[seg.path].state is State.STALE:
             note = f"kept: it names segment {seg.path}, which remains"
-        tmp_fd = actor.directory(tmp_dir)
+        if tmp_fd is None:
+            tmp_fd = actor.directory(p.layout.tmp_dir)
         if isinstance(tmp_fd, int):
             _act_dir(actor, tmp_fd, c, p.decisions, locked=False, keep_note=note)
         else:
