@@ -35,7 +35,9 @@ if TYPE_CHECKING:
     from .decide import Decision
     from .engines import EnginePlan
     from .facts import Facts
+    from .metrics import Sink
     from .report import SourcePlan
+    from .sight import Sight
 
 
 class NoMatch(KvcachedError):
@@ -69,6 +71,7 @@ class GcOptions:
     time_limit: float | None = 300.0   # the whole run; None or 0: no bound
     kill_orphans: bool = False
     prometheus: str | None = None
+    metrics_sink: Sink | None = None   # also (or instead) serve each run's metrics there (gc --every --metrics-port)
     proc_root: str = "/proc"
     engines: bool = False              # also the engines' own leftovers (vLLM, SGLang, NCCL, CUDA)
     engine_kinds: Sequence[EngineKind] = ()  # `--kind` values of engine leftovers: only these (implies engines)
@@ -96,6 +99,8 @@ class GcResult:
     killable: set[int] = field(default_factory=set)     # orphan pids kvctl may terminate
     killed: list[Any] = field(default_factory=list)     # orphans.KillResult
     declined: bool = False             # stale entries remain because nobody confirmed
+    sight: Sight | None = None         # what the run could not see (sight.py): blind when it has reasons
+    gpu: Any = None                    # gpu.GpuReport: the GPU holders, when the run judged engines
 
 
 # (the run's plans acted on as a dry run) -> remove?; None: nobody to ask (cron), so do not remove.
@@ -154,7 +159,7 @@ def check_options(opts: GcOptions) -> None:
 
 
 def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: ConfirmKill | None = None,
-           progress: Callable[[Any], None] | None = None) -> GcResult:
+           progress: Callable[[Any], None] | None = None, confirm_gpu_kill: ConfirmKill | None = None) -> GcResult:
     """Lock, plan, (kill orphans, plan again), confirm, act within the time budget, write metrics.
 
     Raises gclock.LockBusy (metrics say so first), NoMatch, BadRequest, and
@@ -175,30 +180,35 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
         try:
             lock.acquire()
         except LockBusy:
-            if opts.prometheus:
+            if opts.prometheus or opts.metrics_sink:
                 from . import metrics
 
-                metrics.write_lock_busy(opts.prometheus, wall_start, time.time())
+                metrics.write_lock_busy(opts.prometheus, wall_start, time.time(), sink=opts.metrics_sink)
             raise
     try:
         # Engine leftovers may sit where no kvcached name does (vLLM's sockets in /tmp): no shortcut then.
         if opts.engine_pass or may_hold_state(opts.layout.root):
-            result = _judge_and_act(opts, started, confirm, confirm_kill, progress)
+            result = _judge_and_act(opts, started, confirm, confirm_kill, progress, confirm_gpu_kill)
         elif opts.names:
             raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
         else:
+            from .sight import assess
+
             now = time.time()
+            # No pass ran (nothing here could be ours): sight from the credentials and the /proc mount alone.
             result = GcResult(report=Report(dry_run=opts.dry_run, entries=[], errors=[], started=now, finished=now),
-                              dry_run=opts.dry_run, outcome=Outcome.CLEAN)
+                              dry_run=opts.dry_run, outcome=Outcome.CLEAN, sight=assess(opts.proc_root))
     finally:
         if lock is not None:
             lock.release()
-    if opts.prometheus:
+    if opts.prometheus or opts.metrics_sink:
         from . import metrics
 
         metrics.write_report(opts.prometheus, result.report,
                              success=result.outcome is Outcome.CLEAN and not result.dry_run,
-                             orphans=len(result.orphans), started=wall_start)
+                             orphans=len(result.orphans), started=wall_start,
+                             sink=opts.metrics_sink, blind=result.sight is not None and result.sight.blind,
+                             gpu=result.gpu)
     return result
 
 
@@ -222,7 +232,7 @@ def _any_stale(plans: Sequence[SourcePlan]) -> bool:
 
 
 def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, confirm_kill: ConfirmKill | None,
-                   progress: Callable[[Any], None] | None) -> GcResult:
+                   progress: Callable[[Any], None] | None, confirm_gpu: ConfirmKill | None = None) -> GcResult:
     """gc's run under the lock: plan, orphans, confirmation, the guarded act."""
     from .cleanup import execute
 
@@ -239,7 +249,27 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
             # Their segment may be named only by the processes just killed: name it explicitly.
             p = _kvcached_plan(opts, extra=sorted({d.name for d, _ in targets}))
             orphans, killable, _ = _orphans(p)
-    plans: list[SourcePlan] = [p, _engine_plan(opts, p)] if opts.engine_pass else [p]
+
+    def left() -> float | None:
+        # The bound covers the whole run: planning, killing and kvcached's removals count against it.
+        return max(1e-9, opts.time_limit - (time.monotonic() - started)) if opts.time_limit else None
+
+    gpu = None
+    if opts.engine_pass:
+        from .gpu import prepare
+
+        prepare(p.facts)  # the engine pass's one read of the maps also finds GPU mappings
+    ep = _engine_plan(opts, p) if opts.engine_pass else None
+    if opts.engine_pass:
+        from .gpu.gcstep import gpu_step
+
+        gpu, ended = gpu_step(p.facts, kill=opts.kill_orphans, yes=opts.yes, dry_run=opts.dry_run,
+                              confirm=confirm_gpu, time_limit=left(), proc_root=opts.proc_root)
+        if ended:  # what they held (their /dev/shm buffers) is judged again without them
+            killed += ended
+            p = _kvcached_plan(opts)
+            ep = _engine_plan(opts, p)
+    plans: list[SourcePlan] = [p] if ep is None else [p, ep]
     dry = opts.dry_run
     declined = False
     # Only a question needs to know whether anything is stale: a dry run and --yes skip the pass over every entry.
@@ -248,13 +278,12 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
         dry = confirm is None or not confirm(execute(*plans, dry_run=True))
         declined = dry
 
-    def left() -> float | None:
-        # The bound covers the whole run: planning, killing and kvcached's removals count against it.
-        return max(1e-9, opts.time_limit - (time.monotonic() - started)) if opts.time_limit else None
-
     report = execute(*plans, dry_run=dry, time_limit=left(), progress=progress)
+    from .sight import assess
+
     return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed), orphans=orphans,
-                    killable=killable, killed=killed, declined=declined)
+                    killable=killable, killed=killed, declined=declined, sight=assess(opts.proc_root, p.facts),
+                    gpu=gpu)
 
 
 def _refuse_engine_name(name: str) -> None:

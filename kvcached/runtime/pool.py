@@ -308,7 +308,7 @@ class KVPool:
     mapped total (``used + prealloc``) there is always exact. A block moving
     the split between ``used`` and ``prealloc`` without any mapping is
     published at most every ``publish_interval`` seconds and at every `step`:
-    a segment write costs about 10 us, several times a fast-path alloc.
+    a segment write costs several times a fast-path alloc (bench/README.md).
     """
 
     def __init__(self, mapper: Mapper, geometry: Geometry, block_size: int, *,
@@ -538,7 +538,7 @@ class KVPool:
                 return
             pages = [heapq.heappop(self._unmapped) for _ in range(want)]
             self._inflight += want
-        # Mapping a page takes about a millisecond per tensor: do it without
+        # Mapping a page is slow next to alloc/free (bench/bench_pages.py): do it without
         # holding up alloc/free, which never count these pages as free.
         ok = True
         try:
