@@ -236,7 +236,7 @@ def bench_pool(rounds: int, steps: int) -> float:
             t_plain2.append(got["plain"][0])
             t_nostep.append(got["elastic"][0])
         per_step = _per_call(step)
-        limit_read = _per_call(elastic._limit_watch.read)
+        limit_read = _per_call(elastic.segment.read)
         probe = _Batch()
         inflight = _per_call(lambda: (elastic.inflight.issue(probe), elastic.inflight.complete(probe)))
         blocks_per_step = n / steps

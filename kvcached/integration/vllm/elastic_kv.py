@@ -125,7 +125,8 @@ def _allocate_elastic(cfg: Any, device: Any, layout: Any, kernel_block_sizes: li
 
 
 def _refuse(why: str) -> None:
-    from kvcached.runtime.kvbuffer import CMD_INFO, set_local_buffer
+    from kvcached.runtime.ipc.protocol import CMD_INFO
+    from kvcached.runtime.kvbuffer import set_local_buffer
 
     log.warning("kvcached: this KV cache stays fully allocated, not elastic: %s", why)
     _refusals.append(why)
@@ -234,7 +235,7 @@ def _make_setup(num_blocks: int) -> Any:
 
 def _all_refused(link: Any) -> bool:
     from kvcached.runtime.ipc.client import Client
-    from kvcached.runtime.kvbuffer import CMD_INFO
+    from kvcached.runtime.ipc.protocol import CMD_INFO
 
     return all(not Client(p, 10.0).call(CMD_INFO).get("elastic") for p in link.paths)
 
