@@ -35,8 +35,7 @@ from kvcached.node.errors import IpcError
 from kvcached.node.layout import Layout
 from kvcached.runtime.ipc.client import Client
 from kvcached.runtime.ipc.listener import WorkerListener
-from kvcached.runtime.ipc.protocol import (CMD_CONFIGURE, CMD_CREATED, CMD_INFO, CMD_MAP, CMD_MAPPED,
-                                           CMD_UNMAP)
+from kvcached.runtime.ipc.protocol import CMD_CONFIGURE, CMD_CREATED, CMD_INFO, CMD_MAP, CMD_MAPPED, CMD_UNMAP
 
 from .kvplan import Footprint, PagePlan, agree_blocks_per_page, min_blocks_per_page
 from .pages import DEFAULT_PAGE_SIZE, Pages, PartialUnmapError, as_tensor
