@@ -65,7 +65,7 @@ def _pools(num_blocks: int, seg: str) -> tuple[Any, Any, Any]:
     """(vLLM's pool, the elastic pool, its KV buffer) over `num_blocks` blocks of one layer."""
     from vllm.v1.core.block_pool import BlockPool
 
-    from kvcached.integration.vllm.blockpool import ElasticBlockPool, ElasticSetup
+    from kvcached.integration.vllm.elastic_alloc import ElasticBlockPool, ElasticSetup
     from kvcached.runtime.kvbuffer import KVBuffer, LocalLink
     from kvcached.runtime.kvplan import Footprint
 

@@ -204,7 +204,7 @@ def _make_setup(num_blocks: int) -> Any:
     from kvcached.runtime.kvbuffer import LocalLink, SocketLink, local_buffer
     from kvcached.runtime.pool import MapError
 
-    from .blockpool import ElasticSetup
+    from .elastic_alloc import ElasticSetup
 
     plan = _engine
     assert plan is not None
@@ -247,7 +247,7 @@ def _block_pool(wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: dic
         num_blocks = kwargs.get("num_gpu_blocks", args[0] if args else None)
         setup = _make_setup(int(num_blocks)) if num_blocks is not None else None
         if setup is not None:
-            from .blockpool import ElasticBlockPool
+            from .elastic_alloc import ElasticBlockPool
 
             return ElasticBlockPool(*args, elastic=setup, **kwargs)
     return wrapped(*args, **kwargs)

@@ -60,7 +60,7 @@ from kvcached.node.errors import KvcachedError
 from kvcached.runtime.elastic import MAPPED, ElasticPages, SegmentLimit, due_for_release
 from kvcached.runtime.kvbuffer import LinkSetup, WorkerLink
 
-log = logging.getLogger("kvcached.integration.vllm.blockpool")
+log = logging.getLogger("kvcached.integration.vllm.elastic_alloc")
 
 # vLLM's own, for the overrides that add a check around them (called once or a few times per step).
 _vllm_get_new_blocks = BlockPool.get_new_blocks
