@@ -306,7 +306,7 @@ class KVPool:
     exact. A block moving the split between ``used`` and ``prealloc``
     without any mapping is published at most every ``publish_interval``
     seconds and at every `step`: a segment write costs several fast-path
-    allocs (bench/README.md, bench_pages.py).
+    allocs (bench/bench_pages.py).
     """
 
     def __init__(self, mapper: Mapper, geometry: Geometry, block_size: int, *,

@@ -35,6 +35,11 @@ unchanged; this adds:
   (their free ids parked, so that they empty) and the prefix cache is evicted
   by the excess, until the mapping fits.
 
+The groups' books (states, grow with rollback, release at a boundary and
+the delayed unmap, the limit, the usage) are the elastic core's,
+`kvcached.runtime.elastic` (docs/ELASTIC.md), as for vLLM's block pool and
+the harness's pool.
+
 Per id, nothing is added to SGLang's hot paths; the per-group census (one
 ``bincount`` over the free list) runs at the boundary, at most four times per
 release delay while requests run (`bench/bench_sglang.py`).
@@ -200,7 +205,8 @@ class _ElasticIds:
 
     def get_all_free_pages(self) -> Any:
         """Every free id (debug census): the free list, staged, parked, and the ids of groups not mapped."""
-        return torch.cat((super().get_all_free_pages(), self._parked, self._ids_of(self._outside_groups())))  # type: ignore[misc]
+        outside = self._ids_of(self._outside_groups())
+        return torch.cat((super().get_all_free_pages(), self._parked, outside))  # type: ignore[misc]
 
     def _outside_groups(self) -> list[int]:
         """Groups whose free ids are in no list: unmapped, or being released."""
@@ -292,7 +298,7 @@ class _ElasticIds:
         self.step_seq += 1
         # Every step pays for this method, and pays it cold: the scheduler's own work between two boundaries
         # leaves no cache warm (bench/bench_sglang.py). So the common step reads few attributes and calls
-        # nothing it can skip: the same limit, nothing released, no judgement due.
+        # nothing it can skip: the same limit, nothing released, no review due.
         groups = self.groups
         if limit != groups.limit:
             self._apply_limit(limit)

@@ -20,11 +20,11 @@ use) stays as it is; the pool adds:
   mapping on its own.
 - Once per scheduler step (`end_step` after ``update_from_output``,
   `begin_step` before ``schedule``), the pages that got blocks back are
-  judged: a page whose blocks are all free, none cached and none still
+  reviewed: a page whose blocks are all free, none cached and none still
   being read (`unpin_blocks`) is released when more than `reserve` such
   pages exist and it stayed free `release_delay` seconds, or at once when
   the scheduler has nothing left to run (no later step would release it).
-  Judging per step, not per freed block, keeps vLLM's hot path almost as it
+  Reviewing per step, not per freed block, keeps vLLM's hot path almost as it
   is; the delay keeps a load that swings by a few pages from unmapping and
   mapping them again every few steps. Neither raises the peak: allocation
   takes the free blocks of mapped pages before it maps another.
@@ -37,6 +37,10 @@ use) stays as it is; the pool adds:
 - `begin_step` also re-reads the limit from the segment, and both publish
   ``used`` (pages holding an allocated or cached block) and ``prealloc``
   (mapped pages holding none) to it.
+
+The pages' books (states, grow with rollback, release and delayed unmap,
+the limit, the usage) are the elastic core's, `kvcached.runtime.elastic`
+(docs/ELASTIC.md), as for SGLang's allocators and the harness's pool.
 
 A mapping failure (a worker died, the device is out of memory) raises
 `MapError` out of the scheduler, which ends the engine with that error; the
