@@ -16,7 +16,7 @@ Prints each figure with its ratio against the baseline named next to it:
    1,000. A third loop makes only the syscalls of gc's own safety checks.
 1b. Where kvctl gc --dry-run --json spends its time (start-up, /proc pass,
    scan, decide, act, orphans, document): each phase alone, medians.
-1c. What each safety check costs alone (README's cost table).
+1c. What each safety check costs alone (bench/README.md's cost table).
 1d. `kvctl gc --yes --min-age 0` off a terminal over 1,500 dead deployments
    (16,500 entries) against a bare loop removing the same tree (lstat +
    unlink, rmdir). Target ≤ 3.0×.
@@ -100,7 +100,7 @@ def bare_loop(socks: list[str], segments: list[str]) -> None:
 
     The paths are handed in: working them out (each directory name is a
     uuid5 hash) is not one of the floor's syscalls, and cost as much as the
-    syscalls themselves when the loop computed them (earlier README figures).
+    syscalls themselves when the loop computed them (earlier figures).
     """
     for path in socks:
         os.lstat(path)
@@ -390,7 +390,7 @@ def _check_costs(layout: Layout) -> dict[str, float]:
 
 
 def bench_check_costs(quick: bool, n: int = 1000) -> None:
-    """README's cost table: what each safety check adds, against the bare loop, medians of interleaved rounds."""
+    """bench/README.md's cost table: what each safety check adds against the bare loop (interleaved medians)."""
     print(f"== 1c. what each safety check costs, N={n} ({n * 8} sockets, {2 * n} dirs, {n} segments) ==")
     base = tempfile.mkdtemp(prefix="kvb", dir="/tmp")
     try:

@@ -18,7 +18,7 @@ Values are parsed one way for every variable:
 Only the standard library, and cheap to import (no typing, dataclasses or
 logging at import: shell completion passes through here): `setup.py` loads this
 file by its path to read the build switches, before anything is installed.
-README.md ("Environment variables") documents the same set; a test holds the two together.
+docs/ENVIRONMENT.md documents the same set; a test holds the two together.
 """
 
 from __future__ import annotations

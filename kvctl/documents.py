@@ -1,4 +1,4 @@
-"""kvctl's JSON documents: one builder per schema in kvctl/schemas/ (README.md, "JSON").
+"""kvctl's JSON documents: one builder per schema in kvctl/schemas/ (docs/KVCTL.md §9).
 
 The node layer gives each piece its dictionary (an entry, a process, a
 deployment: `to_dict`); these builders put the pieces into the documents
@@ -55,10 +55,10 @@ class EntryRows(list):  # list[dict[str, Any]]: the rows of Entry.to_dict
 
     A gc over a full node reports every entry (11,000 for 1,000 dead
     deployments), and `kvctl gc --json` only writes them: `json()` writes the
-    array from fragments encoded once per distinct decision, which cost a tenth
-    of json.dumps over the dicts, and the dicts themselves are made only when
-    the list is read as a list (building them was 4 % of `kvctl gc --dry-run
-    --json` end to end, bench/bench_gc.py). Every list operation makes them
+    array from fragments encoded once per distinct decision, far cheaper than
+    json.dumps over the dicts, and the dicts themselves are made only when
+    the list is read as a list (building them was a visible share of `kvctl gc --dry-run
+    --json` end to end, bench/bench_gc.py; bench/README.md). Every list operation makes them
     first (json.dumps' C encoder, too, reads a list subclass through
     `__iter__`). Rows appended later (`+=`, as gc --engines appends the
     engines' entries) are written by json.dumps. tests/cli/test_documents.py
@@ -171,7 +171,7 @@ def _holds_rows(obj: Any) -> bool:
 
 
 def _report(schema: str, root: str, report: Report, dry_run: bool, code: IntEnum, **extra: Any) -> dict[str, Any]:
-    # What gc and delete documents share, in the order README shows them; gc adds its orphans before errors.
+    # What gc and delete documents share, in the order docs/KVCTL.md §9 shows them; gc adds its orphans before errors.
     return {"schema": schema, "root": root, "dry_run": dry_run,
             "entries": EntryRows(report.entries), "summary": report.summary(), **extra,
             "errors": report.errors, "exit_code": int(code)}
@@ -179,9 +179,11 @@ def _report(schema: str, root: str, report: Report, dry_run: bool, code: IntEnum
 
 def gc_document(root: str, result: GcResult, code: IntEnum) -> dict[str, Any]:
     """`gc --json` (gc.json, schema kvctl.gc/1); with --engines, the engine leftovers' entries follow kvcached's."""
+    # blind: null when the run saw every process; else each reason it did not (kvcached.node.sight)
     doc = _report("kvctl.gc/1", root, result.report, result.dry_run, code,
                   orphans=[{"deployment": d.name, **o.to_dict()} for d, o in result.orphans],
-                  killed=[k.to_dict() for k in result.killed])
+                  killed=[k.to_dict() for k in result.killed],
+                  blind=result.sight.to_dict() if result.sight is not None else None)
     if result.engines is not None:
         _add_engines(doc, result.report, result.engines)
     return doc
@@ -211,9 +213,12 @@ def _inspect(view: NodeView) -> dict[str, Any]:
 
 
 def inspect_document(view: NodeView, pid: int | None,
-                     engines: Sequence[EngineEntry] = ()) -> dict[str, Any]:
-    """`inspect --json` (inspect.json): the node's view, the `--pid` it was seen through, the engines' leftovers."""
-    return {**_inspect(view), "pid": pid, "engine_state": [e.to_dict() for e in engines]}
+                     engines: Sequence[EngineEntry] = (), gpu: Any = None) -> dict[str, Any]:
+    """`inspect --json` (inspect.json): the node's view, the `--pid` it was seen through, the engines' leftovers,
+    the GPU holders (kvcached.node.gpu.GpuReport)."""
+    return {**_inspect(view), "pid": pid, "engine_state": [e.to_dict() for e in engines],
+            "gpu_holders": [] if gpu is None else gpu.to_list(),
+            "gpu_memory_note": None if gpu is None else gpu.memory_note}
 
 
 def doctor_document(root: str, results: Sequence[CheckResult], *, healthy: bool, strict: bool,

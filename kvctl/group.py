@@ -107,8 +107,7 @@ def global_options(
             "--root",
             envvar="KVCTL_ROOT",
             metavar="DIR",
-            help="Re-base /tmp and /dev/shm under DIR (/proc stays real): tests, chroots, a pod's volumes. "
-            "Env: KVCTL_ROOT.",
+            help="Re-base /tmp and /dev/shm under DIR (/proc stays real): tests, chroots, a pod's volumes.",
         ),
     ] = None,
     verbose: Annotated[

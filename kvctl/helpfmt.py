@@ -13,9 +13,12 @@ from typing import Any
 
 SCHEMAS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schemas")
 
-GLOBAL = "Global options --root DIR and -v may also come after the command. More: kvctl --help, README.md."
+GLOBAL = "Global options --root DIR and -v may also come after the command. More: kvctl --help, docs/KVCTL.md."
 
+# Each command's examples (`kvctl` for the group), the one source of the Examples of its --help and so of
+# docs/KVCTL.md, which shows that help (scripts/gen_completions.py writes it; a test fails when it is stale).
 EXAMPLES: dict[str, tuple[str, ...]] = {
+    "kvctl": ("kvctl inspect", "kvctl gc --dry-run", "kvctl gc --yes", "kvctl doctor"),
     "list": ("kvctl list", "kvctl list 'kvcached_vLLM_*' --json | jq '.[].ipc'"),
     "limit": ("kvctl limit kvcached_vLLM_4242 40G", "kvctl limit my-serve 512M --json"),
     "limit-percent": ("kvctl limit-percent my-serve 30", "kvctl limit-percent my-serve 12.5 --device 1"),
@@ -26,29 +29,43 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "inspect": ("kvctl inspect", "kvctl inspect my-serve --json", "kvctl inspect --pid 41237   (a container's view)"),
     "gc": ("kvctl gc --dry-run", "kvctl gc --yes --engines --prometheus /var/lib/node_exporter/textfile/kvctl.prom",
            "kvctl gc --yes --engines --every 10m --json   (a node agent: a JSON line per run until SIGTERM)",
-           "kvctl gc --yes --min-age 0 my-serve   (an entrypoint: go on after 0, 3 or 6; README)"),
+           "kvctl gc --yes --min-age 0 my-serve   (an entrypoint: go on after 0, 3 or 6; docs/KVCTL.md)",
+           "kvctl gc --check-heartbeat /run/kvctl/heartbeat --max-age 20m   (the agent's liveness probe)"),
     "doctor": ("kvctl doctor", "kvctl doctor node engine --strict", "kvctl doctor --json"),
     "demo": ("kvctl demo", "kvctl --root /tmp/kvdemo demo --tp 1 --pp 1"),
     "shell": ("kvctl shell", "printf 'list\\ngc --dry-run\\n' | kvctl shell"),
 }
 
-EXITS: dict[str, str] = {
-    "list": "0 ok; 6 NAME matches nothing",
-    "limit": "0 set; 2 bad SIZE or NAME; 6 no such segment; 7 not a kvcached segment",
-    "limit-percent": "0 set; 1 no torch or no such GPU; 2 bad PCT or NAME; 6 no such segment; 7 not a segment",
-    "watch": "0 after --count refreshes or q; 2 bad interval; 130 Ctrl-C",
-    "top": "0 after --count refreshes or q; 2 bad interval; 130 Ctrl-C",
-    "kvtop": "0 after --count refreshes or q; 2 bad interval; 130 Ctrl-C",
-    "delete": "0 removed; 3 stale entries remain; 4 a removal failed; 6 no such deployment; "
-              "7 refused (live, not ours, or not proven dead without --yes)",
-    "inspect": "0 ok; 6 NAME or --pid matches nothing",
-    "gc": "0 nothing stale remains; 3 stale entries remain (dry run, not confirmed, time limit); "
-          "4 a removal or kill failed; 5 another gc holds the lock; 6 NAME matches nothing; "
-          "with --every: the last run's code on SIGTERM or SIGINT",
-    "doctor": "0 healthy (warnings allowed); 8 a check failed (--strict: or warned)",
-    "demo": "0 the deployment's state was found and removed; 3 something remained; 4 a removal failed",
-    "shell": "the exit code of the last command",
+# Each command's exit codes, one (code, when) pair each: `--help` joins them into one line, docs/KVCTL.md
+# shows that help, and a test holds every code to kvctl/exitcodes.py. A pair without a code (None) is a
+# rule that names no single code.
+EXITS: dict[str, tuple[tuple[int | None, str], ...]] = {
+    "kvctl": ((0, "ok"), (1, "error"), (2, "usage"), (3, "stale entries remain"), (4, "partial failure"),
+              (5, "gc lock busy"), (6, "not found"), (7, "refused"), (8, "unhealthy"), (130, "interrupted")),
+    "list": ((0, "ok"), (6, "NAME matches nothing")),
+    "limit": ((0, "set"), (2, "bad SIZE or NAME"), (6, "no such segment"), (7, "not a kvcached segment")),
+    "limit-percent": ((0, "set"), (1, "no torch or no such GPU"), (2, "bad PCT or NAME"), (6, "no such segment"),
+                      (7, "not a segment")),
+    "watch": ((0, "after --count refreshes or q"), (2, "bad interval"), (130, "Ctrl-C")),
+    "top": ((0, "after --count refreshes or q"), (2, "bad interval"), (130, "Ctrl-C")),
+    "kvtop": ((0, "after --count refreshes or q"), (2, "bad interval"), (130, "Ctrl-C")),
+    "delete": ((0, "removed"), (3, "stale entries remain"), (4, "a removal failed"), (6, "no such deployment"),
+               (7, "refused (live, not ours, or not proven dead without --yes)")),
+    "inspect": ((0, "ok"), (6, "NAME or --pid matches nothing")),
+    "gc": ((0, "nothing stale remains"), (3, "stale entries remain (dry run, not confirmed, time limit)"),
+           (4, "a removal or kill failed"), (5, "another gc holds the lock"), (6, "NAME matches nothing"),
+           (None, "with --every: the last run's code on SIGTERM or SIGINT"),
+           (8, "--check-heartbeat: the last run is older than --max-age, or no heartbeat")),
+    "doctor": ((0, "healthy (warnings allowed)"), (8, "a check failed (--strict: or warned)")),
+    "demo": ((0, "the deployment's state was found and removed"), (3, "something remained"),
+             (4, "a removal failed")),
+    "shell": ((None, "the exit code of the last command"),),
 }
+
+
+def exits_line(command: str) -> str:
+    """A command's exit codes as its --help prints them: `0 ok; 6 NAME matches nothing`."""
+    return "; ".join(when if code is None else f"{code} {when}" for code, when in EXITS[command])
 
 
 def json_help(command: str) -> str:
@@ -104,7 +121,7 @@ def format_command(cmd: Any, ctx: Any, formatter: Any, name: str) -> None:
                 formatter.write_text(line)
     if name in EXITS:
         with formatter.section("Exit codes"):
-            formatter.write_text(EXITS[name])
+            formatter.write_text(exits_line(name))
     formatter.write_paragraph()
     formatter.write_text(GLOBAL)
 
@@ -126,11 +143,11 @@ def format_group(group: Any, ctx: Any, formatter: Any) -> None:
     with formatter.section("Commands"):
         formatter.write_dl(rows)
     with formatter.section("Examples"):
-        for line in ("kvctl inspect", "kvctl gc --dry-run", "kvctl gc --yes", "kvctl doctor"):
+        for line in EXAMPLES["kvctl"]:
             formatter.write_text(line)
     with formatter.section("Exit codes"):
-        formatter.write_text("0 ok, 1 error, 2 usage, 3 stale entries remain, 4 partial failure, 5 gc lock busy, "
-                             "6 not found, 7 refused, 8 unhealthy, 130 interrupted (README.md: exit codes)")
+        codes = ", ".join(f"{code} {when}" for code, when in EXITS["kvctl"])
+        formatter.write_text(f"{codes} (README.md: exit codes)")
     formatter.write_paragraph()
     formatter.write_text("'kvctl COMMAND --help' for a command's options. Run without a command on a terminal: "
                          "the interactive shell.")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from typing import IO, TYPE_CHECKING, Any, Union
 
@@ -77,7 +77,7 @@ def emit_json(obj: Any, stream: IO[str] | None = None, *, one_line: bool = False
 
     stream = stream or sys.stdout
     # Indented for a person at a terminal; compact for scripts, because only the
-    # compact form takes the C encoder (10x faster on a node with 10k entries),
+    # compact form takes the C encoder (far faster on a full node; bench/README.md),
     # and a report's entries their own encoder (documents.EntryRows).
     if stream.isatty() and not one_line:
         text = json.dumps(obj, indent=2, default=str)
@@ -133,47 +133,46 @@ class Out:
     def table(self, headers: Sequence[str], rows: Sequence[Sequence[Cell]], indent: int = 2,
               fold: Sequence[int] = ()) -> None:
         """Aligned columns; on a terminal a rich table as wide as the terminal, columns in `fold` wrapping."""
-        if not self.terminal and not self.styled and len(set(map(len, rows))) <= 1:
-            self._plain_table(headers, rows, indent)
-            return
-        cooked = [[(safe(c), "") if isinstance(c, str) else (safe(c[0]), c[1]) for c in row] for row in rows]
         if self.terminal:
+            cooked = [[(safe(c), "") if isinstance(c, str) else (safe(c[0]), c[1]) for c in row] for row in rows]
             self._rich_table(headers, cooked, indent, set(fold) or {len(headers) - 1})
             return
-        widths = [len(h) for h in headers]
-        for row in cooked:
-            for i, (text, _) in enumerate(row):
-                widths[i] = max(widths[i], len(text))
-        pad = " " * indent
-        self._write([(pad, ""), ("  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(), "bold")])
-        for row in cooked:
-            segs: list[tuple[str, str]] = [(pad, "")]
-            for i, (text, style) in enumerate(row):
-                last = i == len(row) - 1
-                segs.append((text if last else text.ljust(widths[i]), style))
-                if not last:
-                    segs.append(("  ", ""))
-            self._write(segs)
+        self._aligned(headers, rows, indent)
 
-    def _plain_table(self, headers: Sequence[str], rows: Sequence[Sequence[Cell]], indent: int) -> None:
-        """`table`'s text off a terminal, rows all as long: what the loop above writes, made a column at a time.
+    def _aligned(self, headers: Sequence[str], rows: Sequence[Sequence[Cell]], indent: int) -> None:
+        """`table` off a terminal: every cell padded to its column's width but the last, no trailing blanks.
 
-        gc writes a row per entry: columns are made safe (one printable as a whole is printable cell by cell),
-        padded and joined by C-level maps, not by Python code per cell.
+        Made a column at a time, since gc writes a row per entry: a column is made safe (one printable as
+        a whole is printable cell by cell), padded and joined by C-level maps, not by Python code per cell.
+        A short row is filled with empty cells: the blanks they add trail, and go with the others.
         """
+        n = len(headers)
+        lengths = [len(row) for row in rows]
+        if any(k != n for k in lengths):
+            rows = [[*row, *[""] * (n - len(row))] for row in rows]
         columns: list[Sequence[str]] = []
+        styles: list[Iterable[str]] = []
         for column in zip(*rows):
             texts: Sequence[Any] = column
-            if set(map(type, column)) != {str}:  # styled cells (text, style)
+            plain = set(map(type, column)) == {str}
+            if not plain:  # styled cells (text, style)
                 texts = [c if isinstance(c, str) else str(c[0]) for c in column]
             columns.append(texts if "".join(texts).isprintable() else [safe(c) for c in texts])
-        widths = [len(h) for h in headers]
-        for i, texts in enumerate(columns):
-            widths[i] = max(widths[i], max(map(len, texts)))
+            styles.append(repeat("") if plain else [c[1] if isinstance(c, tuple) else "" for c in column])
+        widths = [max(len(h), *map(len, texts)) for h, texts in zip(headers, columns)] or list(map(len, headers))
         pad = " " * indent
-        # Every cell padded to its column's width but the last, as on a terminal; no trailing blanks.
         padded = [list(map(str.ljust, texts, repeat(w))) for texts, w in zip(columns[:-1], widths)] + columns[-1:]
-        lines = [(pad + "  ".join(h.ljust(w) for h, w in zip(headers, widths))).rstrip()]
+        header = "  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()
+        if self.styled:
+            self._write([(pad, ""), (header, "bold")])
+            for r, (k, cells, looks) in enumerate(zip(lengths, zip(*padded), zip(*styles))):
+                segs: list[tuple[str, str]] = [(pad, "")]
+                for i in range(k):  # a short row as it was given: its own last cell unpadded
+                    segs += [("  ", "")] if i else []
+                    segs.append((cells[i] if i < k - 1 else columns[i][r], looks[i]))
+                self._write(segs)
+            return
+        lines = [(pad + header).rstrip()]
         lines += map(str.rstrip, map(pad.__add__, map("  ".join, zip(*padded))))
         self.stream.write("\n".join(lines) + "\n")
 

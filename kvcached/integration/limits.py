@@ -55,8 +55,8 @@ def resolve_limit(device_total: Callable[[], int | None], utilization: float,
 def limit_mapper() -> Callable[[int], MappedReader] | None:
     """What an engine's `LimitWatch` maps its segment with: the extension's MappedWord, or None without it.
 
-    The per-step limit read is then a load, not a pread: 2-5 us less at every
-    scheduler step (bench_sglang.py, bench_elastic.py).
+    The per-step limit read is then a load, not a pread, a system call less at every
+    scheduler step (bench_sglang.py, bench_elastic.py; bench/README.md).
     """
     try:
         from ..runtime._kvpages import MappedWord

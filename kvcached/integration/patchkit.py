@@ -73,6 +73,12 @@ def params(fn: Any) -> list[str]:
         return []
 
 
+def require(cond: bool, why: str) -> None:
+    """A probe's check: the engine does not have the expected shape (`why`) unless `cond` holds."""
+    if not cond:
+        raise ShapeError(why)
+
+
 def source(fn: Any) -> str | None:
     """The source of the engine's own `fn` (under our wrappers), or None."""
     try:

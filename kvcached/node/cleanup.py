@@ -54,8 +54,8 @@ def collector_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector for one pass over the node, if it was running.
 
     A pass makes a few objects per entry and no reference cycles; with the
-    collector running, each collection walks everything made so far, which was
-    a tenth of a gc over a full node (bench/bench_gc.py). Reference counting
+    collector running, each collection walks everything made so far, a
+    measurable share of a gc over a full node (bench/README.md). Reference counting
     still frees everything as usual.
     """
     was = gc.isenabled()

@@ -6,8 +6,7 @@ import importlib.util
 import os
 import re
 import uuid
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 from .. import settings
 
@@ -97,34 +96,14 @@ _DNS_NAMESPACE = uuid.NAMESPACE_DNS.bytes
 
 def socket_hash(name: str) -> str:
     """Upstream's 8-hex-digit suffix of the socket directory: the first 8 hex digits of uuid5(NAMESPACE_DNS, name)."""
+    # hashlib is imported here, not at the top: it loads OpenSSL, which a kvctl run that hashes no
+    # name (TAB completion, a gc over a node without socket directories) should not pay for.
+    import hashlib
+
     # uuid5 is SHA-1 over namespace + name with version and variant bits set in bytes 6
     # and 8; the first four bytes are the digest's own. Without the UUID object: a
     # scan checks one hash per socket directory (bench/bench_gc.py).
-    return _sha1()(_DNS_NAMESPACE + name.encode("utf-8")).hexdigest()[:8]
-
-
-def _sha1() -> Callable[[bytes], Any]:
-    """SHA-1, bound on first use: CPython's own `_sha1` (0.4 ms to load), hashlib's OpenSSL only without it.
-
-    hashlib loads OpenSSL (5-10 ms), which every gc over a node with socket
-    directories paid at start-up for one hash per directory; `_sha1` is the
-    module hashlib itself falls back to, with the same digests.
-    """
-    fn = _SHA1.get("fn")
-    if fn is None:
-        try:
-            import _sha1  # type: ignore[import-not-found]
-
-            fn = _sha1.sha1
-        except ImportError:  # a build without it: hashlib has SHA-1 in every build
-            import hashlib
-
-            fn = hashlib.sha1
-        _SHA1["fn"] = fn
-    return fn
-
-
-_SHA1: dict[str, Callable[[bytes], Any]] = {}
+    return hashlib.sha1(_DNS_NAMESPACE + name.encode("utf-8"), usedforsecurity=False).hexdigest()[:8]
 
 
 def socket_dir_name(name: str) -> str:

@@ -49,7 +49,7 @@ class Candidate(NamedTuple):
 
     An immutable NamedTuple rather than a frozen dataclass: a scan builds one per
     node, and a frozen dataclass's __init__ (one object.__setattr__ per field)
-    took ~7 µs per candidate where a NamedTuple takes ~2.
+    costs several times a NamedTuple's (bench/README.md).
     """
 
     kind: Kind
@@ -120,8 +120,8 @@ def socket_candidate(path: str, name: str, deployment: str, st: os.stat_result, 
     """The candidate of one socket node in a socket directory: what `candidate_from_stat` builds, positionally.
 
     A full node has eight of these per deployment, and building a 23-field
-    NamedTuple by keyword cost 3-4x building it from a tuple (bench/bench_gc.py's
-    scan share); tests/fs/test_scan.py checks that both build the same value.
+    NamedTuple by keyword cost several times building it from a tuple (bench/bench_gc.py's
+    scan share; bench/README.md); tests/fs/test_scan.py checks that both build the same value.
     """
     mode = st.st_mode
     ftype = _FILE_TYPES.get(stat.S_IFMT(mode), FileType.OTHER)

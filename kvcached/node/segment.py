@@ -213,8 +213,8 @@ class MappedReader(Protocol):
 class LimitWatch:
     """A segment's limit for a loop that reads it every step (an engine's scheduler).
 
-    `read_segment` opens, locks, reads and closes: about 15 us, most of a
-    block pool's per-step cost. This keeps the file open and reads the limit
+    `read_segment` opens, locks, reads and closes: most of a
+    block pool's per-step cost (bench/README.md). This keeps the file open and reads the limit
     without the lock: a value being rewritten under the writer's lock could be
     read torn, so a value that changed is taken only once two reads in a row
     agree. The path is stat'ed at most every `recheck` seconds, so a segment

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 # `socket` is imported by the functions that make one: every kvctl run imports this
 # module (decide and scan name Bind), and on an idle node none is made; the module
-# costs a cold `kvctl gc` a few percent (bench/bench_cli_start.py).
+# is a visible share of a cold `kvctl gc` (bench/bench_cli_start.py; bench/README.md).
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -118,8 +118,8 @@ class BindProbe:
     the answer for one node never depends on the nodes tested before it; a
     connect that succeeds (a datagram socket is bound there) connects it, so
     the socket is replaced before the next test. Making and closing a socket
-    per node cost two syscalls and a Python object each: a third of a full
-    node's scan (bench/bench_gc.py). Use from one thread; close() when done.
+    per node cost two syscalls and a Python object each, a large share of a
+    full node's scan (bench/bench_gc.py; bench/README.md). Use from one thread; close() when done.
     """
 
     def __init__(self) -> None:

@@ -305,8 +305,8 @@ class KVPool:
     unmapped, so the mapped total (``used + prealloc``) there is always
     exact. A block moving the split between ``used`` and ``prealloc``
     without any mapping is published at most every ``publish_interval``
-    seconds and at every `step`: a segment write costs several fast-path
-    allocs (bench/bench_pages.py).
+    seconds and at every `step`: a segment write costs several times a
+    fast-path alloc (bench/README.md).
     """
 
     def __init__(self, mapper: Mapper, geometry: Geometry, block_size: int, *,
@@ -511,7 +511,7 @@ class KVPool:
                 return
             pages = self.pages.take_lowest(want)
             self._inflight += want
-        # Mapping a page takes about a millisecond per tensor: do it without
+        # Mapping a page is slow next to alloc/free (bench/bench_pages.py): do it without
         # holding up alloc/free, which never count these pages as free.
         ok = True
         try:

@@ -36,9 +36,13 @@ def inspect(
     view = run.view(names or (), min_age, namespaces=True, layout=layout)
     if names and not view.deployments:
         raise CliError(f"no deployment matches {' '.join(names)}", Exit.NOT_FOUND)
+    from kvcached.node.gpu import find_holders, prepare
+
+    prepare(view.facts)  # the engine pass's read of the maps also finds GPU mappings
     engines = [] if names else _engine_state(view, min_age)  # they belong to no deployment a NAME selects
+    gpu = find_holders(view.facts)
     if json_out:
-        emit_json(inspect_document(view, pid, engines))
+        emit_json(inspect_document(view, pid, engines, gpu))
         return Exit.OK
     out = Out()
     render_view(out, view, now=time.time(), hint=run.hinter(min_age))
@@ -47,6 +51,11 @@ def inspect(
 
         out.blank()
         render_engine_view(out, engines, hint=run.hinter(min_age))
+    if gpu.holders:
+        from ..render_gpu import render_gpu_holders
+
+        out.blank()
+        render_gpu_holders(out, gpu, hint=run.hinter(min_age))
     return Exit.OK
 
 

@@ -13,7 +13,8 @@ from .conftest import KVCTL, REPO, SCHEMAS
 from .test_commands import COMMANDS
 
 HEAVY = {"torch", "vllm", "numpy", "kvcached.runtime._kvpages", "kvcached.runtime", "kvcached.integration",
-         "pydantic"}  # pydantic: typer 0.29's coercion, which kvctl/typer_adapter.py avoids (bench/bench_cli_start.py)
+         "pydantic",  # typer 0.29's coercion, which kvctl/typer_adapter.py avoids (bench/bench_cli_start.py)
+         "pynvml", "kvcached.node.gpu"}  # NVML: only inside a GPU-holder pass that found an NVIDIA holder
 
 
 def imported(*args: str) -> set[str]:
@@ -40,20 +41,27 @@ def test_schemas_are_valid_json_schema() -> None:
 
 
 def test_committed_completions_are_current(tmp_path) -> None:
-    """completions/ and kvctl/completion_table.py are what scripts/gen_completions.py writes from the commands."""
+    """completions/, kvctl/completion_table.py and docs/KVCTL.md's --help blocks are what
+    scripts/gen_completions.py writes from the commands."""
     gen = [sys.executable, str(REPO / "scripts" / "gen_completions.py")]
     r = subprocess.run([*gen, "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     table = tmp_path / "completion_table.py"
     out = tmp_path / "completions"
-    assert subprocess.run([*gen, "--out", str(out), "--table", str(table)], capture_output=True).returncode == 0
+    doc = tmp_path / "kvctl_doc.txt"
+    doc.write_text((REPO / "docs/KVCTL.md").read_text())
+    paths = ["--out", str(out), "--table", str(table), "--doc", str(doc)]
+    assert subprocess.run([*gen, *paths], capture_output=True).returncode == 0
     assert sorted(p.name for p in out.iterdir()) == ["_kvctl", "_kvtop", "kvctl.bash", "kvctl.fish",
                                                       "kvtop.bash", "kvtop.fish"]
     assert table.read_text() == (REPO / "kvctl" / "completion_table.py").read_text()
-    for edited in (out / "kvctl.bash", table):
+    assert doc.read_text() == (REPO / "docs/KVCTL.md").read_text()
+    for edited, change in ((out / "kvctl.bash", "# edited by hand\n"), (table, "# edited by hand\n"),
+                           (doc, None)):
         text = edited.read_text()
-        edited.write_text(text + "# edited by hand\n")
-        r = subprocess.run([*gen, "--check", "--out", str(out), "--table", str(table)], capture_output=True,
-                           text=True)
+        # The doc's prose is by hand; what is checked is its generated blocks (an exit code changed there).
+        edited.write_text(text + change if change else text.replace("0 ok; 6 NAME matches nothing", "0 ok", 1))
+        assert edited.read_text() != text
+        r = subprocess.run([*gen, "--check", *paths], capture_output=True, text=True)
         assert r.returncode == 1 and edited.name in r.stderr, r.stderr
         edited.write_text(text)

@@ -279,6 +279,11 @@ def test_top_level_help_and_bare_kvctl_off_a_terminal() -> None:
     assert not re.search(r"<(bool|int|str)>", r.stdout)
 
 
+def test_top_level_help_names_the_root_variable_once() -> None:
+    r = kvctl("--help", env={"COLUMNS": "200"})
+    assert r.code == 0 and r.stdout.count("KVCTL_ROOT") == 1 and "[env: KVCTL_ROOT]" in r.stdout, r.stdout
+
+
 def test_verbose_works_after_the_command(layout) -> None:
     r = kvctl("--root", layout.root, "gc", "--dry-run", "-v")
     assert r.code == 0 and re.search(r"\[\d+\.\d+s\]", r.stdout), r.stdout + r.stderr

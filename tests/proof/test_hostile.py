@@ -16,7 +16,7 @@ owner differs from their directory's. Then `kvctl gc --yes`, `gc --dry-run`,
 * exit codes are from the documented enum and no traceback is printed.
 
 Every (plant, root, user, command) combination is one counted case; the counts
-are printed and must be the ones README's "Hostile node" states. Needs root
+are printed and must be the ones docs/PROOF.md's "Hostile node" states. Needs root
 (useradd, runuser, chown); skipped otherwise.
 """
 
@@ -427,18 +427,18 @@ _CLAIM = re.compile(r"(\d+) trap kinds planted (\d+) times \((\d+) entries that 
                     r"invocations \(([^)]*)\) as root and as that user")
 
 
-def _readme_claim() -> tuple[tuple[int, int, int, int], list[str]]:
-    """README's "Hostile node" numbers (kinds, plantings, survivors, invocations) and the commands it names."""
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+def _documented_claim() -> tuple[tuple[int, int, int, int], list[str]]:
+    """docs/PROOF.md's "Hostile node" numbers (kinds, plantings, survivors, invocations) and the commands it names."""
+    with open(os.path.join(REPO, "docs/PROOF.md"), encoding="utf-8") as f:
         text = " ".join(f.read().split())
     m = _CLAIM.search(text)
-    assert m, "README's Hostile node section no longer states its counts in the form this test reads"
+    assert m, "docs/PROOF.md's Hostile node section no longer states its counts in the form this test reads"
     commands = [c.strip("` ") for c in m.group(5).split(",") if c.strip().startswith("`")]
     return (int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4))), commands
 
 
 def test_zz_hostile_case_count(request: pytest.FixtureRequest) -> None:
-    """What README says the hostile suite does is what this session did: its counts, each command, each user."""
+    """What docs/PROOF.md says the hostile suite does is what this session did: its counts, each command, each user."""
     selected = {item.name for item in request.session.items}
     if not set(HOSTILE_TESTS) <= selected:
         pytest.skip("both hostile tests must run in this session for their counts to mean anything")
@@ -456,11 +456,11 @@ def test_zz_hostile_case_count(request: pytest.FixtureRequest) -> None:
     for (cmd, as_root, code), k in sorted(by.items()):
         print(f"  {cmd:8} as {'root' if as_root else 'user'}: {code} x{k}")
 
-    counts, commands = _readme_claim()
+    counts, commands = _documented_claim()
     assert (len(traps), len(PLANTED), survivors, len(CASES_RUN)) == counts, (
-        "README's Hostile node counts (kinds, plantings, entries that must survive, invocations) "
+        "docs/PROOF.md's Hostile node counts (kinds, plantings, entries that must survive, invocations) "
         f"are {counts}; this run: {(len(traps), len(PLANTED), survivors, len(CASES_RUN))}")
-    # Every trap kind on both nodes, every command README names as root and as the user on both.
+    # Every trap kind on both nodes, every command docs/PROOF.md names as root and as the user on both.
     assert {(n, t) for n, t, _ in PLANTED} == {(n, t) for n in ("--root", "real") for t in traps}
     ran = {(c.split(" | ")[1] == "root", c.split(" | ")[2], c.split(" | ")[3]) for c in CASES_RUN}
     for cmd in commands:

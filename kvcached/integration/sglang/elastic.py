@@ -36,7 +36,7 @@ import logging
 from typing import Any
 
 from ... import settings
-from ..patchkit import Changes, NotCovered, Patch, ShapeError, original
+from ..patchkit import Changes, NotCovered, Patch, original, params, require, source
 
 log = logging.getLogger("kvcached.integration.sglang.elastic")
 
@@ -56,44 +56,30 @@ def switch() -> str | None:
     return None if settings.ELASTIC.get() else f"elastic KV memory is off (set {settings.ELASTIC.name}=1)"
 
 
-def _params(fn: Any) -> list[str]:
-    try:
-        return list(inspect.signature(original(fn)).parameters)
-    except (TypeError, ValueError):
-        return []
-
-
 def _source(fn: Any) -> str:
-    try:
-        return inspect.getsource(original(fn))
-    except (OSError, TypeError):
-        return ""
-
-
-def _require(cond: bool, why: str) -> None:
-    if not cond:
-        raise ShapeError(why)
+    """The engine's own source of `fn`, or "" (a probe then finds none of what it looks for)."""
+    return source(fn) or ""
 
 
 def _probe_allocators(alloc: Any, budget: Any) -> None:
     token, paged, base = alloc.TokenToKVPoolAllocator, alloc.PagedTokenToKVPoolAllocator, \
         alloc.BaseTokenToKVPoolAllocator
-    _require(_params(token.__init__) == ["self", "size", "dtype", "device", "kvcache", "need_sort"],
+    require(params(token.__init__) == ["self", "size", "dtype", "device", "kvcache", "need_sort"],
              "TokenToKVPoolAllocator(size, dtype, device, kvcache, need_sort) changed")
-    _require(_params(paged.__init__) == ["self", "size", "page_size", "dtype", "device", "kvcache", "need_sort"],
+    require(params(paged.__init__) == ["self", "size", "page_size", "dtype", "device", "kvcache", "need_sort"],
              "PagedTokenToKVPoolAllocator(size, page_size, dtype, device, kvcache, need_sort) changed")
-    _require(_params(paged.alloc_extend)[:7] == ["self", "prefix_lens", "prefix_lens_cpu", "seq_lens",
+    require(params(paged.alloc_extend)[:7] == ["self", "prefix_lens", "prefix_lens_cpu", "seq_lens",
                                                 "seq_lens_cpu", "last_loc", "extend_num_tokens"],
              "PagedTokenToKVPoolAllocator.alloc_extend(prefix_lens, ..., extend_num_tokens) changed")
-    _require(_params(paged.alloc_decode) == ["self", "seq_lens", "seq_lens_cpu", "last_loc"],
+    require(params(paged.alloc_decode) == ["self", "seq_lens", "seq_lens_cpu", "last_loc"],
              "PagedTokenToKVPoolAllocator.alloc_decode(seq_lens, seq_lens_cpu, last_loc) changed")
     for cls in (token, paged):
         for name in ("alloc", "free", "available_size", "clear", "get_all_free_pages"):
-            _require(callable(getattr(cls, name, None)), f"{cls.__name__}.{name} is missing")
-        _require("self.free_pages = " in _source(cls.clear), f"{cls.__name__}.clear no longer sets free_pages")
+            require(callable(getattr(cls, name, None)), f"{cls.__name__}.{name} is missing")
+        require("self.free_pages = " in _source(cls.clear), f"{cls.__name__}.clear no longer sets free_pages")
     for name in ("create_prefill_budget", "check_decode_capacity", "evict_to_free_tokens"):
-        _require(callable(getattr(base, name, None)), f"the allocator's capacity hook {name} is missing")
-    _require("available_size()" in _source(budget.PrefillBudget._available_and_evictable),
+        require(callable(getattr(base, name, None)), f"the allocator's capacity hook {name} is missing")
+    require("available_size()" in _source(budget.PrefillBudget._available_and_evictable),
              "PrefillBudget._available_and_evictable no longer reads the allocator's available_size()")
 
 
@@ -102,9 +88,9 @@ def probe() -> dict[str, Any]:
     mods = {m: importlib.import_module(m) for m in (M_PLATFORM, M_CONFIGURATOR, M_SCHEDULER, M_POOL, M_ALLOCATOR,
                                                    M_BUDGET)}
     platform_cls = mods[M_PLATFORM].SRTPlatform
-    _require(_params(platform_cls.get_kv_pool_cls) == ["self", "kind"],
+    require(params(platform_cls.get_kv_pool_cls) == ["self", "kind"],
              "SRTPlatform.get_kv_pool_cls(*, kind) changed")
-    _require(_params(platform_cls.get_paged_allocator_cls) == ["self"],
+    require(params(platform_cls.get_paged_allocator_cls) == ["self"],
              "SRTPlatform.get_paged_allocator_cls() changed")
     from sglang.srt.platforms import current_platform
 
@@ -116,28 +102,28 @@ def probe() -> dict[str, Any]:
                 original(inspect.getattr_static(platform_cls, name)):
             raise NotCovered(f"{type(current_platform).__name__} answers {name} itself (a platform plugin)")
     cfg = mods[M_CONFIGURATOR]
-    _require(original(getattr(cfg, "TokenToKVPoolAllocator", None)) is mods[M_ALLOCATOR].TokenToKVPoolAllocator,
+    require(original(getattr(cfg, "TokenToKVPoolAllocator", None)) is mods[M_ALLOCATOR].TokenToKVPoolAllocator,
              "kv_cache_configurator no longer builds page size 1 through the name TokenToKVPoolAllocator")
     conf = cfg.KVCacheConfigurator
-    _require(_params(conf.configure) == ["self", "pre_model_load_memory"],
+    require(params(conf.configure) == ["self", "pre_model_load_memory"],
              "KVCacheConfigurator.configure(*, pre_model_load_memory) changed")
     build = _source(conf._build_token_to_kv_pool_allocator)
-    _require("TokenToKVPoolAllocator(" in build and "get_paged_allocator_cls()" in build,
+    require("TokenToKVPoolAllocator(" in build and "get_paged_allocator_cls()" in build,
              "KVCacheConfigurator._build_token_to_kv_pool_allocator no longer builds through the platform hook "
              "and TokenToKVPoolAllocator")
-    _require("get_kv_pool_cls(kind=kind)" in _source(conf._resolve_kv_pool_class),
+    require("get_kv_pool_cls(kind=kind)" in _source(conf._resolve_kv_pool_class),
              "KVCacheConfigurator._resolve_kv_pool_class no longer asks the platform hook")
     pool = mods[M_POOL]
-    _require("self._create_buffers_normal()" in _source(pool.MHATokenToKVPool._create_buffers)
+    require("self._create_buffers_normal()" in _source(pool.MHATokenToKVPool._create_buffers)
              and callable(getattr(pool.MHATokenToKVPool, "_kv_buffer_shapes", None)),
              "MHATokenToKVPool._create_buffers no longer calls _create_buffers_normal")
-    _require("self.kv_buffer = [" in _source(pool.MLATokenToKVPool._create_buffers),
+    require("self.kv_buffer = [" in _source(pool.MLATokenToKVPool._create_buffers),
              "MLATokenToKVPool._create_buffers no longer makes one kv_buffer per layer")
     _probe_allocators(mods[M_ALLOCATOR], mods[M_BUDGET])
     sched = mods[M_SCHEDULER].Scheduler
-    _require(_params(sched.get_next_batch_to_run) == ["self", "running_batch", "last_batch"],
+    require(params(sched.get_next_batch_to_run) == ["self", "running_batch", "last_batch"],
              "Scheduler.get_next_batch_to_run(running_batch, last_batch) changed")
-    _require(callable(getattr(sched, "is_fully_idle", None)), "Scheduler.is_fully_idle is missing")
+    require(callable(getattr(sched, "is_fully_idle", None)), "Scheduler.is_fully_idle is missing")
     return mods
 
 

@@ -46,7 +46,7 @@ from typing import Any
 
 from ... import settings
 from .. import state
-from ..patchkit import Changes, Patch, ShapeError, original
+from ..patchkit import Changes, Patch, original, require
 from .common import argument, params
 from .kvlayout import footprint, pad_layer_regions, spec_of, unsupported
 
@@ -263,11 +263,6 @@ def elastic_pool(scheduler: Any) -> Any:
 # -- the patch: probe, install ---------------------------------------------------------
 
 
-def _require(cond: bool, why: str) -> None:
-    if not cond:
-        raise ShapeError(why)
-
-
 def probe() -> dict[str, Any]:
     """The modules the patch changes, when the installed vLLM is the shape we know; raises ShapeError otherwise."""
     mods = {m: importlib.import_module(m) for m in (M_BLOCK_POOL, M_COORDINATOR, M_MANAGER, M_SCHEDULER,
@@ -277,34 +272,34 @@ def probe() -> dict[str, Any]:
     bp = mods[M_BLOCK_POOL].BlockPool
     for name in ("get_num_free_blocks", "get_new_blocks", "free_blocks", "evict_blocks", "reset_prefix_cache",
                  "_maybe_evict_cached_block", "_notify_reuse", "get_usage"):
-        _require(callable(getattr(bp, name, None)), f"BlockPool.{name} is missing")
+        require(callable(getattr(bp, name, None)), f"BlockPool.{name} is missing")
     init_src = inspect.getsource(bp.__init__)
-    _require("self._reuse_watchers" in init_src and "FreeKVCacheBlockQueue(" in init_src,
+    require("self._reuse_watchers" in init_src and "FreeKVCacheBlockQueue(" in init_src,
              "BlockPool.__init__ no longer builds a FreeKVCacheBlockQueue and _reuse_watchers")
     for name in ("popleft", "popleft_n", "remove", "append", "append_n", "prepend_n"):
-        _require(callable(getattr(FreeKVCacheBlockQueue, name, None)), f"FreeKVCacheBlockQueue.{name} is missing")
+        require(callable(getattr(FreeKVCacheBlockQueue, name, None)), f"FreeKVCacheBlockQueue.{name} is missing")
     fields = getattr(KVCacheBlock, "__dataclass_fields__", {})
-    _require({"block_id", "ref_cnt", "_block_hash", "prev_free_block", "is_null"} <= set(fields),
+    require({"block_id", "ref_cnt", "_block_hash", "prev_free_block", "is_null"} <= set(fields),
              "KVCacheBlock no longer has block_id, ref_cnt, _block_hash, prev_free_block, is_null")
-    _require(original(getattr(mods[M_COORDINATOR], "BlockPool", None)) is bp,
+    require(original(getattr(mods[M_COORDINATOR], "BlockPool", None)) is bp,
              "kv_cache_coordinator no longer builds its pool through the name BlockPool")
     manager = mods[M_MANAGER].KVCacheManager
-    _require("get_kv_cache_coordinator(" in inspect.getsource(original(manager.__init__)),
+    require("get_kv_cache_coordinator(" in inspect.getsource(original(manager.__init__)),
              "KVCacheManager.__init__ no longer builds its coordinator")
     sched = mods[M_SCHEDULER].Scheduler
-    _require(params(sched.update_from_output)[:3] == ["self", "scheduler_output", "model_runner_output"],
+    require(params(sched.update_from_output)[:3] == ["self", "scheduler_output", "model_runner_output"],
              "Scheduler.update_from_output(scheduler_output, model_runner_output) changed")
     for name in ("schedule", "finish_requests", "has_requests"):
-        _require(callable(getattr(sched, name, None)), f"Scheduler.{name} is missing")
-    _require(params(mods[M_EXECUTOR].Executor.initialize_from_config) == ["self", "kv_cache_configs"],
+        require(callable(getattr(sched, name, None)), f"Scheduler.{name} is missing")
+    require(params(mods[M_EXECUTOR].Executor.initialize_from_config) == ["self", "kv_cache_configs"],
              "Executor.initialize_from_config(kv_cache_configs) changed")
-    _require(params(mods[M_WORKER_UTILS].allocate_kv_cache) == ["kv_cache_config", "device", "layout",
+    require(params(mods[M_WORKER_UTILS].allocate_kv_cache) == ["kv_cache_config", "device", "layout",
                                                                "kernel_block_sizes"],
              "vllm.v1.worker.utils.allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes) changed")
     iface = mods[M_INTERFACE]
-    _require(params(iface.create_kv_cache_views)[:5] == ["raw", "spec", "num_blocks", "layout", "kv_cache_tensor"],
+    require(params(iface.create_kv_cache_views)[:5] == ["raw", "spec", "num_blocks", "layout", "kv_cache_tensor"],
              "create_kv_cache_views(raw, spec, num_blocks, layout, kv_cache_tensor, ...) changed")
-    _require("fixed_strides" in params(iface.compute_layout_strides),
+    require("fixed_strides" in params(iface.compute_layout_strides),
              "compute_layout_strides(..., fixed_strides) changed")
     return mods
 
@@ -318,8 +313,8 @@ def _manager_init(wrapped: Any, _manager: Any, args: tuple[Any, ...], kwargs: di
 
 
 # The step hooks. A serve pays them every scheduler step, so after the first step
-# they sit on the scheduler itself (`_bind_steps`): wrapt's wrapper costs a few
-# microseconds a call there, 2 % of a step of 48 requests (bench_elastic.py).
+# they sit on the scheduler itself (`_bind_steps`): wrapt's proxy per call there is a
+# measurable share of a step (bench_elastic.py; bench/README.md).
 
 STEP_METHODS = ("schedule", "update_from_output")
 STEP_MARK = "_kvcached_step"  # on the hooks bound on a scheduler
@@ -336,7 +331,7 @@ def _scheduled(pool: Any, schedule: Any, args: tuple[Any, ...], kwargs: dict[str
 
 def _updated(scheduler: Any, pool: Any, update: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # The first parameter (probe() checked the signature): binding it through inspect, as the
-    # start-up hooks do, would cost tens of microseconds per step (bench_elastic.py).
+    # start-up hooks do, would cost a visible share of a step (bench_elastic.py; bench/README.md).
     pool.inflight.complete(args[0] if args else kwargs.get("scheduler_output"))
     out = update(*args, **kwargs)
     # What this output freed: released beyond the reserve, unmapped once no batch runs;
@@ -488,3 +483,5 @@ PATCH = Patch(
     requires=("worker-listener",),
     switch=switch,
 )
+
+PATCHES: tuple[Patch, ...] = (PATCH,)

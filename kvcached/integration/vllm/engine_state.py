@@ -229,3 +229,5 @@ PATCH = Patch(
     probe=probe,
     install=install,
 )
+
+PATCHES: tuple[Patch, ...] = (PATCH,)

@@ -76,3 +76,5 @@ PATCH = Patch(
     probe=probe,
     install=install,
 )
+
+PATCHES: tuple[Patch, ...] = (PATCH,)

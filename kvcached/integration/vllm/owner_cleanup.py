@@ -123,3 +123,5 @@ PATCH = Patch(
     probe=probe,
     install=install,
 )
+
+PATCHES: tuple[Patch, ...] = (PATCH,)

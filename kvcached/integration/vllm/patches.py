@@ -9,19 +9,21 @@ it is detected, and what a future vLLM change would break first.
 
 Ray executors, Ray data parallel and external launchers are left alone at run
 time (`common.not_covered`).
+
+Each patch module exports `PATCHES`, as SGLang's do; adding a module is one
+import below and its `PATCHES` in the registry's.
 """
 
 from __future__ import annotations
 
 import logging
 
-from ..patchkit import Registry
+from ..patchkit import Patch, Registry
 from . import elastic_kv, engine_state, lmcache_shutdown, owner_cleanup, worker_listener
 
 log = logging.getLogger("kvcached.integration.vllm")
 
-REGISTRY = Registry(
-    "vLLM",
-    (lmcache_shutdown.PATCH, owner_cleanup.PATCH, worker_listener.PATCH, engine_state.PATCH, elastic_kv.PATCH),
-    log,
-)
+PATCHES: tuple[Patch, ...] = (*lmcache_shutdown.PATCHES, *owner_cleanup.PATCHES, *worker_listener.PATCHES,
+                               *engine_state.PATCHES, *elastic_kv.PATCHES)
+
+REGISTRY = Registry("vLLM", PATCHES, log)

@@ -131,3 +131,5 @@ PATCH = Patch(
     probe=probe,
     install=install,
 )
+
+PATCHES: tuple[Patch, ...] = (PATCH,)

@@ -37,7 +37,7 @@ class Family:
     where: Where
     evidence: Evidence
     pattern: re.Pattern[str]
-    what: str  # who makes these names, for reports and the README
+    what: str  # who makes these names, for reports and docs/KVCTL.md §13
 
 
 class Match(NamedTuple):
