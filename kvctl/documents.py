@@ -15,11 +15,9 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvcached.node.cleanup import Report
     from kvcached.node.diagnostics import CheckResult
-    from kvcached.node.engines import EngineEntry, EngineReport
     from kvcached.node.gcrun import GcResult
-    from kvcached.node.report import Entry
+    from kvcached.node.report import Entry, Report
     from kvcached.node.segment import SegmentInfo
     from kvcached.node.view import DeploymentView, NodeView
 
@@ -60,16 +58,17 @@ class EntryRows(list):  # list[dict[str, Any]]: the rows of Entry.to_dict
     the list is read as a list (building them was a visible share of `kvctl gc --dry-run
     --json` end to end, bench/bench_gc.py; bench/README.md). Every list operation makes them
     first (json.dumps' C encoder, too, reads a list subclass through
-    `__iter__`). Rows appended later (`+=`, as gc --engines appends the
-    engines' entries) are written by json.dumps. tests/cli/test_documents.py
-    checks that both say the same.
+    `__iter__`). It takes kvcached's entries (their fields are the fast
+    path's); rows appended later (`+=`, as a report's other sources append
+    theirs, `Entry.to_dict`) are written by json.dumps.
+    tests/cli/test_documents.py checks that both say the same.
     """
 
     # A list made without __init__ (unpickled: the rows come in before the attributes) is a plain list of rows.
-    entries: Sequence[Entry] = ()
+    entries: Sequence[Entry[Any]] = ()
     _made = True
 
-    def __init__(self, entries: Sequence[Entry]) -> None:
+    def __init__(self, entries: Sequence[Entry[Any]]) -> None:
         super().__init__()
         self.entries = entries
         self._made = False
@@ -170,37 +169,34 @@ def _holds_rows(obj: Any) -> bool:
         any(isinstance(v, EntryRows) or _holds_rows(v) for v in obj.values())
 
 
+def entry_rows(report: Report) -> EntryRows:
+    """A report's entries as its documents list them: kvcached's (the fast rows), then every other source's."""
+    from kvcached.node.report import Source
+
+    ours = report.part(Source.KVCACHED)
+    rows = EntryRows(ours.entries if ours is not None else ())
+    for source in report.sources:
+        theirs = report.part(source) if source is not Source.KVCACHED else None
+        if theirs is not None:
+            rows += [e.to_dict() for e in theirs.entries]
+    return rows
+
+
 def _report(schema: str, root: str, report: Report, dry_run: bool, code: IntEnum, **extra: Any) -> dict[str, Any]:
     # What gc and delete documents share, in the order docs/KVCTL.md §9 shows them; gc adds its orphans before errors.
+    # The summary counts every source's entries, and each further source's alone under its name (`engines`).
     return {"schema": schema, "root": root, "dry_run": dry_run,
-            "entries": EntryRows(report.entries), "summary": report.summary(), **extra,
+            "entries": entry_rows(report), "summary": report.summary(), **extra,
             "errors": report.errors, "exit_code": int(code)}
 
 
 def gc_document(root: str, result: GcResult, code: IntEnum) -> dict[str, Any]:
     """`gc --json` (gc.json, schema kvctl.gc/1); with --engines, the engine leftovers' entries follow kvcached's."""
     # blind: null when the run saw every process; else each reason it did not (kvcached.node.sight)
-    doc = _report("kvctl.gc/1", root, result.report, result.dry_run, code,
-                  orphans=[{"deployment": d.name, **o.to_dict()} for d, o in result.orphans],
-                  killed=[k.to_dict() for k in result.killed],
-                  blind=result.sight.to_dict() if result.sight is not None else None)
-    if result.engines is not None:
-        _add_engines(doc, result.report, result.engines)
-    return doc
-
-
-def _add_engines(doc: dict[str, Any], report: Report, engines: EngineReport) -> None:
-    """Engine entries after kvcached's; the summary counts both, and `summary.engines` the engines' alone."""
-    doc["entries"] += [e.to_dict() for e in engines.entries]
-    # Both plans read one /proc pass, so its errors are in both lists: each is reported once.
-    doc["errors"] = list(dict.fromkeys(report.errors + engines.errors))
-    mine: dict[str, Any] = doc["summary"]
-    theirs: dict[str, Any] = engines.summary()
-    for key in ("states", "actions"):
-        mine[key] = {k: n + theirs[key][k] for k, n in mine[key].items()}
-    mine.update(entries=mine["entries"] + theirs["entries"], errors=len(doc["errors"]),
-                timed_out=mine["timed_out"] or theirs["timed_out"],
-                seconds=round(max(report.finished, engines.finished) - report.started, 4), engines=theirs)
+    return _report("kvctl.gc/1", root, result.report, result.dry_run, code,
+                   orphans=[{"deployment": d.name, **o.to_dict()} for d, o in result.orphans],
+                   killed=[k.to_dict() for k in result.killed],
+                   blind=result.sight.to_dict() if result.sight is not None else None)
 
 
 def delete_document(root: str, report: Report, code: IntEnum) -> dict[str, Any]:
@@ -213,7 +209,7 @@ def _inspect(view: NodeView) -> dict[str, Any]:
 
 
 def inspect_document(view: NodeView, pid: int | None,
-                     engines: Sequence[EngineEntry] = (), gpu: Any = None) -> dict[str, Any]:
+                     engines: Sequence[Entry[Any]] = (), gpu: Any = None) -> dict[str, Any]:
     """`inspect --json` (inspect.json): the node's view, the `--pid` it was seen through, the engines' leftovers,
     the GPU holders (kvcached.node.gpu.GpuReport)."""
     return {**_inspect(view), "pid": pid, "engine_state": [e.to_dict() for e in engines],
@@ -235,7 +231,7 @@ def demo_document(root: str, name: str, view: NodeView, report: Report, left: Se
                   code: IntEnum) -> dict[str, Any]:
     """`demo --json` (demo.json): what inspect saw after the crash, what gc did, and what is left."""
     return {"schema": "kvctl.demo/1", "root": root, "name": name, "inspect": _inspect(view),
-            "gc": {"entries": EntryRows(report.entries), "summary": report.summary()},
+            "gc": {"entries": entry_rows(report), "summary": report.summary()},
             "left": list(left), "clean": not left, "exit_code": int(code)}
 
 

@@ -12,16 +12,11 @@ import re
 import stat
 import tempfile
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from .cleanup import Action, Report
-from .decide import State
-from .enums import Engine
+from .enums import Action, Engine, Kind, State
 from .errors import KvcachedError
-from .scan import Kind
-
-if TYPE_CHECKING:  # the engine pass is imported only by runs that ask for engine state
-    from .engines import EngineReport
+from .report import Report, Source
 
 PREFIX = "kvctl_gc"
 _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -90,15 +85,18 @@ def _metric(lines: list[str], name: str, kind: str, help_: str, samples: Samples
 
 
 def render(report: Report, *, success: bool, orphans: int = 0, last_success: float | None = None,
-           started: float | None = None, engines: EngineReport | None = None, blind: bool | None = None) -> str:
+           started: float | None = None, blind: bool | None = None) -> str:
     """The textfile body for one run; `started` (default: the report's) times the whole run.
 
-    With `engines` (a run that also judged the engines' leftovers), their
-    counts and bytes by engine and state follow (render_engines). `blind`:
+    The entry metrics count kvcached's part of the report; a run that also
+    judged the engines' leftovers adds their counts and bytes by engine and
+    state (render_engines). Failures and the time limit are the whole run's. `blind`:
     whether the run could not see every process (sight.py); None writes no
     `kvctl_gc_blind` (a caller that did not ask).
     """
     lines: list[str] = []
+    whole = report
+    report = whole.part(Source.KVCACHED) or whole
 
     def metric(name: str, kind: str, help_: str, samples: Samples) -> None:
         _metric(lines, name, kind, help_, samples)
@@ -110,29 +108,30 @@ def render(report: Report, *, success: bool, orphans: int = 0, last_success: flo
            [({"kind": k}, sum(1 for e in report.stale_remaining if e.kind is Kind(k))) for k in kinds])
     metric("removed", "gauge", "Entries removed by the last run, by kind.",
            [({"kind": k}, report.count(action=Action.REMOVED, kind=Kind(k))) for k in kinds])
-    metric("failures", "gauge", "Removals that failed in the last run.", [({}, len(report.failures))])
+    metric("failures", "gauge", "Removals that failed in the last run.", [({}, len(whole.failures))])
     metric("orphaned_processes", "gauge", "Orphaned kvcached processes seen by the last run.", [({}, orphans)])
     metric("lock_busy", "gauge", _HELP["lock_busy"], [({}, 0)])  # this run held the lock (write_lock_busy)
-    metric("timed_out", "gauge", "1 when the last run hit its time limit.", [({}, int(report.timed_out))])
+    metric("timed_out", "gauge", "1 when the last run hit its time limit.", [({}, int(whole.timed_out))])
     if blind is not None:
         # 1 is an alert, not a state to live with: a blind run keeps what it cannot judge, forever (sight.py).
         metric("blind", "gauge", "1 when the last run could not read every process (no hostPID, hidepid, not "
                "root, a security module): what they may own was kept as unknown.", [({}, int(blind))])
-    begun = report.started if started is None else started
-    metric("duration_seconds", "gauge", _HELP["duration_seconds"], [({}, round(report.finished - begun, 6))])
+    begun = whole.started if started is None else started
+    metric("duration_seconds", "gauge", _HELP["duration_seconds"], [({}, round(whole.finished - begun, 6))])
     metric("last_run_timestamp_seconds", "gauge", _HELP["last_run_timestamp_seconds"],
-           [({}, round(report.finished, 3))])
+           [({}, round(whole.finished, 3))])
     if success:
-        last_success = report.finished
+        last_success = whole.finished
     if last_success is not None:
         metric("last_success_timestamp_seconds", "gauge",
                "When a run last finished with no failures and no stale entries left.", [({}, round(last_success, 3))])
+    engines = whole.part(Source.ENGINES)
     if engines is not None:
         lines.append(render_engines(engines).rstrip("\n"))
     return "\n".join(lines) + "\n"
 
 
-def render_engines(report: EngineReport) -> str:
+def render_engines(report: Report) -> str:
     """The engine leftovers' metrics: entries and bytes by engine and state, what was removed, what is left.
 
     Written only by runs that judged them (gc --engines). A plain run writes
@@ -226,14 +225,13 @@ def _put(path: str | None, sink: Sink | None, body: str) -> None:
 
 
 def write_report(path: str | None, report: Report, *, success: bool, orphans: int = 0,
-                 started: float | None = None, engines: EngineReport | None = None, sink: Sink | None = None,
+                 started: float | None = None, sink: Sink | None = None,
                  blind: bool | None = None, gpu: Any = None) -> None:
     """Render one run's metrics to the textfile `path` and/or `sink`, keeping the last success of failed runs.
 
     `gpu` (a gpu.GpuReport, from runs that judged engines) adds the GPU holders' metrics."""
     last = _value_in(_previous_text(path, sink), f"{PREFIX}_last_success_timestamp_seconds")
-    body = render(report, success=success, orphans=orphans, last_success=last, started=started, engines=engines,
-                  blind=blind)
+    body = render(report, success=success, orphans=orphans, last_success=last, started=started, blind=blind)
     if gpu is not None:
         from .gpu.metrics import render_gpu
 

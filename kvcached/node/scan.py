@@ -21,6 +21,7 @@ from .facts import Facts
 from .ident import handle_reader
 from .layout import Layout
 from .lease import ofd_conflict
+from .report import KVCACHED, Origin
 from .segment import SEGMENT_SIZE, has_mark, peek_limit
 from .sockdiag import Bind, BindProbe
 
@@ -75,6 +76,11 @@ class Candidate(NamedTuple):
     bind: Bind | None = None       # bind test of a socket node no listing shows (None: not tested)
     bind_errno: str | None = None
     by_shape: bool = False         # a segment found only by its shape: nothing names it
+
+    @property
+    def origin(self) -> Origin:
+        """Where it came from: kvcached's own state, on this node's own /tmp and /dev/shm."""
+        return KVCACHED
 
     def walk(self) -> list[Candidate]:
         """This candidate and every candidate below it, children first.

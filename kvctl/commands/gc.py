@@ -6,6 +6,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from kvcached.node.enums import Action, EngineKind, Kind, StrEnum
+from kvcached.node.report import Source
 
 from ..documents import error_document, gc_document
 from ..exitcodes import CATEGORY_EXIT, CliError, Exit, exit_of
@@ -19,7 +20,7 @@ from ..params import (
     parse_duration,
     typer_app,
 )
-from ..render import Out, emit_json, log_line, log_report, note, render_report, summary_line
+from ..render import Out, emit_json, log_line, note
 
 app = typer_app()
 
@@ -45,21 +46,20 @@ NODE_KIND: dict[KindChoice, Kind | EngineKind] = {KindChoice(m.value): m for m i
 def _asker(out: Out, run: Globals) -> Any:
     """gc's question before it removes (on a terminal): the plan, one row per deployment, then yes or no."""
 
-    def confirm(plan: Any, preview: Any, engines: Any = None) -> bool:
+    def confirm(preview: Any) -> bool:
         if not interactive():
             return False
-        render_report(out, preview, verbose=run.verbose > 0, by_deployment=True)
-        gone = [e for e in preview.entries if e.action is Action.WOULD_REMOVE]
+        from ..render_sources import render_run
+
+        render_run(out, preview, verbose=run.verbose > 0, grouped=True)
+        gone = [e for e in preview.entries if e.action is Action.WOULD_REMOVE and e.engine is None]
         deps = len({e.candidate.deployment for e in gone})
         what = f"{len(gone)} stale entr{'y' if len(gone) == 1 else 'ies'} of {deps} deployment(s)"
-        if engines is not None:
+        if Source.ENGINES in preview.sources:
             from kvcached.node.units import format_size
 
-            from ..render_engines import render_engine_report
-
-            render_engine_report(out, engines, verbose=run.verbose > 0, by_engine=True)
-            n = engines.count(action=Action.WOULD_REMOVE)
-            what += f" and {n} engine leftover(s) ({format_size(engines.bytes(action=Action.WOULD_REMOVE))})"
+            n = preview.count(action=Action.WOULD_REMOVE, source=Source.ENGINES)
+            what += f" and {n} engine leftover(s) ({format_size(preview.bytes(action=Action.WOULD_REMOVE))})"
         return typer.confirm(f"Remove {what}?", default=False, err=True)
 
     return confirm
@@ -137,17 +137,15 @@ def _closing_lines(out: Out, run: Globals, result: Any, min_age: float, *, json_
         log_line(f"kvctl gc: {blind}", "warning")  # cron's log and --json readers see it too
     if not json_out:
         _orphan_lines(out, run, result, min_age)
-        if result.engines is None and not names:
+        if Source.ENGINES not in result.report.sources and not names:
             _engine_hint(run, result, min_age)
 
 
 def _run_line(result: Any, code: int) -> tuple[str, str]:
     """--every's line for one run, and its log level."""
-    line = f"kvctl gc: {summary_line(result.report)[4:]}"
-    if result.engines is not None:
-        from ..render_engines import engine_summary_line
+    from ..render_sources import run_line
 
-        line += f"; {engine_summary_line(result.engines)}"
+    line = f"kvctl gc: {run_line(result.report)}"
     blind = _blind_line(result)
     line += f"; {blind}" if blind else ""
     level = "error" if code in (Exit.ERROR, Exit.PARTIAL_FAILURE) else "warning" if code or blind else "info"
@@ -378,23 +376,19 @@ def gc(
         note("orphans not terminated: confirm on a terminal or pass --yes")
     if result.declined:
         again = "gc --engines --yes" if opts.engine_pass else "gc --yes"
-        stale = len(result.report.stale_remaining) + len(result.engines.stale_remaining if result.engines else ())
+        stale = len(result.report.stale_remaining)
         note(f"nothing removed: {stale} stale entr{'y' if stale == 1 else 'ies'} remain; "
              f"re-run with --yes to remove them ({run.hinter(min_age)(again)})")
     if json_out:
         emit_json(gc_document(run.root, result, code))
     elif not (result.declined and interactive()):  # the prompt already showed the plan
-        # A row per deployment on a terminal (every entry with -v), a row per entry elsewhere.
-        render_report(out, result.report, verbose=run.verbose > 0, by_deployment=out.terminal)
-        if result.engines is not None:
-            from ..render_engines import render_engine_report
+        from ..render_sources import render_run
 
-            render_engine_report(out, result.engines, verbose=run.verbose > 0, by_engine=out.terminal)
+        # A row per deployment (or engine) on a terminal (every entry with -v), a row per entry elsewhere.
+        render_run(out, result.report, verbose=run.verbose > 0, grouped=out.terminal)
     if not out.terminal and not result.dry_run:
-        log_report(result.report)  # cron sends stdout to /dev/null: problems and the summary go to stderr
-        if result.engines is not None:
-            from ..render_engines import log_engine_report
+        from ..render_sources import log_run
 
-            log_engine_report(result.engines)
+        log_run(result.report)  # cron sends stdout to /dev/null: problems and the summary go to stderr
     _closing_lines(out, run, result, min_age, json_out=json_out, names=names)
     return code

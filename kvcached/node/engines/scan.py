@@ -18,6 +18,7 @@ from .. import naming
 from ..facts import Facts
 from ..ident import file_handle
 from ..layout import Layout
+from ..report import Origin
 from ..scan import FileType, file_type
 from ..segment import SEGMENT_SIZE, has_mark, peek_limit
 from ..sockdiag import Bind, bound
@@ -51,6 +52,11 @@ class EngineCandidate(NamedTuple):
     @property
     def kind(self) -> EngineKind:
         return self.family.kind
+
+    @property
+    def origin(self) -> Origin:
+        """Where it came from: the engine family whose name it carries."""
+        return self.family.origin
 
     @property
     def engine(self) -> Engine:
