@@ -25,7 +25,7 @@ def inspect(
     json_out: JsonInspect = False,
 ) -> int:
     """Every deployment: its segment, sockets, processes, orphans, and why each entry is live or stale."""
-    from kvcached.node.view import layout_for_pid
+    from kvcached.node import layout_for_pid
 
     run = globals_of(ctx)
     layout = run.layout()
@@ -36,7 +36,7 @@ def inspect(
     view = run.view(names or (), min_age, namespaces=True, layout=layout)
     if names and not view.deployments:
         raise CliError(f"no deployment matches {' '.join(names)}", Exit.NOT_FOUND)
-    from kvcached.node.gpu import find_holders, prepare
+    from kvcached.node import find_holders, prepare
 
     prepare(view.facts)  # the engine pass's read of the maps also finds GPU mappings
     engines = [] if names else _engine_state(view, min_age)  # they belong to no deployment a NAME selects
@@ -61,10 +61,7 @@ def inspect(
 
 def _engine_state(view: Any, min_age: float) -> list[Any]:
     """The engines' leftovers on the same node, judged from the view's own /proc pass, as gc --engines would act."""
-    from kvcached.node.decide import Policy
-    from kvcached.node.engines import plan_engines
-    from kvcached.node.names import rpc_dirs
-    from kvcached.node.report import preview
+    from kvcached.node import Policy, plan_engines, preview, rpc_dirs
 
     layout = view.layout
     return preview(plan_engines(layout, Policy(grace=min_age), facts=view.facts, rpc_dirs=rpc_dirs(layout.root)))
