@@ -120,7 +120,7 @@ def sides() -> Iterator[tuple[Side, Side, Any]]:
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
     from kvcached.integration.patchkit import PatchStatus
-    from kvcached.integration.vllm import elastic
+    from kvcached.integration.vllm import elastic as vllm_elastic
     from kvcached.integration.vllm.patches import REGISTRY
     from kvcached.node.state.segment import create_segment
     from kvcached.runtime import kvbuffer
@@ -139,15 +139,15 @@ def sides() -> Iterator[tuple[Side, Side, Any]]:
             _vllm_own(plain)
             vc = es.vllm_config(tmp, max_num_seqs=64, max_batched=2048)
             cfg = es.kv_cache_config(vc, NUM_BLOCKS, groups=groups)
-            elastic.prepare_engine([cfg], "local", segment_path=seg)
+            vllm_elastic.prepare_engine([cfg], "local", segment_path=seg)
             es.allocate(cfg, vc)  # the worker's allocation: the elastic KV buffer of this process
             sched = es.scheduler(vc, cfg)
-            pool = elastic.elastic_pool(sched)
+            pool = vllm_elastic.elastic_pool(sched)
             assert pool is not None and pool.segment_path == seg
             yield Side("vLLM", plain), Side("elastic", sched), pool
     finally:
         REGISTRY.revert()
-        elastic.forget_engine()
+        vllm_elastic.forget_engine()
         kvbuffer.set_local_buffer(None)
 
 

@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ext]
 
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
+from kvcached.integration.vllm import elastic as vllm_elastic  # noqa: E402
 from kvcached.integration.vllm import kvlayout  # noqa: E402
 from kvcached.node.in_engine.startup import claim_segment  # noqa: E402
 from kvcached.runtime.ipc.client import Client  # noqa: E402
@@ -65,7 +66,7 @@ def tp2(tmp_path, layout, uniq, elastic):
     lease, _, _ = claim_segment(layout, uniq, 64 * PB)
     vc = es.vllm_config(str(tmp_path), tp=2, prefix_caching=False)
     cfg = es.kv_cache_config(vc, 256)
-    elastic.prepare_engine([cfg], "sockets", tp_size=2)  # the executor hook, as for the mp executor
+    vllm_elastic.prepare_engine([cfg], "sockets", tp_size=2)  # the executor hook, as for the mp executor
     kvlayout.pad_layer_regions(cfg, PAGE)                     # what each worker's allocation does first
     fp = json.dumps(kvlayout.footprint(cfg, KVCacheLayout[cfg.kv_cache_layout]).to_dict())
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER, layout.root, uniq, str(rank), fp, str(PAGE)],
