@@ -184,7 +184,38 @@ def gc_document(root: str, result: GcResult, code: IntEnum) -> dict[str, Any]:
                   killed=[k.to_dict() for k in result.killed])
     if result.engines is not None:
         _add_engines(doc, result.report, result.engines)
+    if result.places is not None:
+        _add_places(doc, result)
     return doc
+
+
+def _add_places(doc: dict[str, Any], result: GcResult) -> None:
+    """gc -A: every entry carries its place; the other places' entries follow the host's; the places are listed."""
+    from kvcached.node.places.discover import HOST
+    from kvcached.node.places.run import PlaceResult
+
+    host = {**HOST.to_dict(), "path": doc["root"]}
+    rows = [{**row, "place": host} for row in doc["entries"]]
+    summary: dict[str, Any] = doc["summary"]
+    errors: list[str] = doc["errors"]
+    listed = [PlaceResult(HOST, result.report, result.engines).to_dict() | {"path": doc["root"]}]
+    for r in result.places or ():
+        where = r.place.to_dict()
+        for part in (r.report, r.engines):
+            if part is None:
+                continue
+            rows += [{**e.to_dict(), "place": where} for e in part.entries]
+            theirs = part.summary()
+            for key in ("states", "actions"):
+                summary[key] = {k: n + theirs[key].get(k, 0) for k, n in summary[key].items()}
+            summary["entries"] += theirs["entries"]
+            summary["timed_out"] = summary["timed_out"] or theirs["timed_out"]
+            errors += [e for e in part.errors if e not in errors]
+        listed.append(r.to_dict())
+    errors += [e for e in result.place_errors if e not in errors]
+    summary["errors"] = len(errors)
+    doc["entries"] = rows
+    doc["places"] = listed
 
 
 def _add_engines(doc: dict[str, Any], report: Report, engines: EngineReport) -> None:
@@ -210,10 +241,28 @@ def _inspect(view: NodeView) -> dict[str, Any]:
     return {"schema": "kvctl.inspect/1", **view.to_dict()}
 
 
-def inspect_document(view: NodeView, pid: int | None,
-                     engines: Sequence[EngineEntry] = ()) -> dict[str, Any]:
-    """`inspect --json` (inspect.json): the node's view, the `--pid` it was seen through, the engines' leftovers."""
-    return {**_inspect(view), "pid": pid, "engine_state": [e.to_dict() for e in engines]}
+def inspect_document(view: NodeView, pid: int | None, engines: Sequence[EngineEntry] = (),
+                     places: Sequence[Any] | None = None) -> dict[str, Any]:
+    """`inspect --json` (inspect.json): the node's view, the `--pid` it was seen through, the engines' leftovers.
+
+    With `places` (inspect -A: kvcached.node.places.view's PlaceView, host first), every deployment and
+    engine entry carries its place, and the document lists the places.
+    """
+    doc = {**_inspect(view), "pid": pid, "engine_state": [e.to_dict() for e in engines]}
+    if places is None:
+        return doc
+    host = places[0].place.to_dict() | {"path": view.layout.root}
+    doc["deployments"] = [{**d, "place": host} for d in doc["deployments"]]
+    doc["engine_state"] = [{**e, "place": host} for e in doc["engine_state"]]
+    for pv in places[1:]:
+        where = pv.place.to_dict()
+        if pv.view is not None:
+            doc["deployments"] += [{**d.to_dict(), "place": where} for d in pv.view.deployments]
+            doc["unowned"] += [e.to_dict() for e in pv.view.unowned]
+        doc["engine_state"] += [{**e.to_dict(), "place": where} for e in pv.engines]
+    doc["places"] = [pv.to_dict() for pv in places]
+    doc["places"][0]["path"] = view.layout.root
+    return doc
 
 
 def doctor_document(root: str, results: Sequence[CheckResult], *, healthy: bool, strict: bool,

@@ -71,6 +71,8 @@ class GcOptions:
     engines: bool = False              # also the engines' own leftovers (vLLM, SGLang, NCCL, CUDA)
     engine_kinds: Sequence[EngineKind] = ()  # `--kind` values of engine leftovers: only these (implies engines)
     rpc_dirs: Sequence[str] | None = None    # vLLM's RPC directories besides /tmp; None: VLLM_RPC_BASE_PATH
+    all_places: bool = False           # -A: every place of the node, pods included (kvcached.node.places)
+    kubelet_dir: str | None = None     # where -A finds the pods' volumes; None: KVCTL_KUBELET_DIR
 
     @property
     def engine_pass(self) -> bool:
@@ -95,6 +97,8 @@ class GcResult:
     killed: list[Any] = field(default_factory=list)     # orphans.KillResult
     declined: bool = False             # stale entries remain because nobody confirmed
     engines: EngineReport | None = None  # the engine leftovers' report, when the run judged them
+    places: list[Any] | None = None    # -A: each place's PlaceResult but the host's, which is `report`/`engines`
+    place_errors: list[str] = field(default_factory=list)  # -A: what could not be read while finding places
 
 
 # (plan, the same plan as a dry run) -> remove?; None: nobody to ask (cron), so do not remove.
@@ -137,12 +141,14 @@ def _orphans(p: Plan) -> tuple[list[Any], set[int], list[Any]]:
     return view.orphans, {o.pid for _, o in targets}, targets
 
 
-def outcome_of(report: Report, killed: Sequence[Any] = (), engines: EngineReport | None = None) -> Outcome:
-    """Failures first, then stale entries left (kvcached's or, when judged, the engines'), else clean."""
+def outcome_of(report: Report, killed: Sequence[Any] = (), engines: EngineReport | None = None,
+               places: Sequence[Any] = ()) -> Outcome:
+    """Failures first, then stale entries left (kvcached's, the engines' when judged; -A: any place's), else clean."""
     if report.failures or any(k.outcome is KillOutcome.FAILED for k in killed) or (
-            engines is not None and engines.failures):
+            engines is not None and engines.failures) or any(r.failed for r in places):
         return Outcome.PARTIAL_FAILURE
-    if report.stale_remaining or (engines is not None and engines.stale_remaining):
+    if report.stale_remaining or (engines is not None and engines.stale_remaining) or any(
+            r.stale_left for r in places):
         return Outcome.STALE_REMAIN
     return Outcome.CLEAN
 
@@ -184,7 +190,7 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
             raise
     try:
         # Engine leftovers may sit where no kvcached name does (vLLM's sockets in /tmp): no shortcut then.
-        if opts.engine_pass or may_hold_state(opts.layout.root):
+        if opts.engine_pass or opts.all_places or may_hold_state(opts.layout.root):
             result = _judge_and_act(opts, started, confirm, confirm_kill, progress)
         elif opts.names:
             raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
@@ -200,7 +206,8 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
 
         metrics.write_report(opts.prometheus, result.report,
                              success=result.outcome is Outcome.CLEAN and not result.dry_run,
-                             orphans=len(result.orphans), started=wall_start, engines=result.engines)
+                             orphans=len(result.orphans), started=wall_start, engines=result.engines,
+                             places=result.places)
     return result
 
 
@@ -218,16 +225,21 @@ def _engine_plan(opts: GcOptions, p: Plan) -> EnginePlan:
                         proc_root=opts.proc_root)
 
 
-def _ask(confirm: Confirm, p: Plan, ep: EnginePlan | None) -> bool:
-    """The operator's word on the plan, shown as the same plan run dry."""
+def _ask(confirm: Confirm, p: Plan, ep: EnginePlan | None, pp: Any = None) -> bool:
+    """The operator's word on the plan, shown as the same plan run dry (-A: every place's too)."""
     from .cleanup import execute
 
     preview = execute(p, dry_run=True)
-    if ep is None:
-        return confirm(p, preview)
-    from .engines import execute_engines
+    extra: dict[str, Any] = {}
+    if ep is not None:
+        from .engines import execute_engines
 
-    return confirm(p, preview, engines=execute_engines(ep, dry_run=True))
+        extra["engines"] = execute_engines(ep, dry_run=True)
+    if pp is not None:
+        from .places.run import execute_places
+
+        extra["places"] = execute_places(pp, dry_run=True, skip_host=True)
+    return confirm(p, preview, **extra)
 
 
 def _any_stale(p: Plan, ep: EnginePlan | None) -> bool:
@@ -254,12 +266,16 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
             # Their segment may be named only by the processes just killed: name it explicitly.
             p = _kvcached_plan(opts, extra=sorted({d.name for d, _ in targets}))
             orphans, killable, _ = _orphans(p)
-    ep = _engine_plan(opts, p) if opts.engine_pass else None
+    pp = _places_plan(opts, p) if opts.all_places else None
+    if pp is not None:
+        ep = pp.host.engines
+    else:
+        ep = _engine_plan(opts, p) if opts.engine_pass else None
     dry = opts.dry_run
     declined = False
     # Only a question needs to know whether anything is stale: a dry run and --yes skip the pass over every entry.
-    if not dry and not opts.yes and _any_stale(p, ep):
-        dry = confirm is None or not _ask(confirm, p, ep)
+    if not dry and not opts.yes and (_any_stale(p, ep) or (pp is not None and pp.any_stale())):
+        dry = confirm is None or not _ask(confirm, p, ep, pp)
         declined = dry
 
     def left() -> float | None:
@@ -272,8 +288,24 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
         from .engines import execute_engines
 
         engines = execute_engines(ep, dry_run=dry, time_limit=left(), progress=progress)
-    return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed, engines), orphans=orphans,
-                    killable=killable, killed=killed, declined=declined, engines=engines)
+    places = None
+    if pp is not None:
+        from .places.run import execute_places
+
+        places = execute_places(pp, dry_run=dry, deadline=left, progress=progress, skip_host=True)
+    return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed, engines, places or ()),
+                    orphans=orphans, killable=killable, killed=killed, declined=declined, engines=engines,
+                    places=places, place_errors=list(pp.errors) if pp is not None else [])
+
+
+def _places_plan(opts: GcOptions, p: Plan) -> Any:
+    """-A: every place's plan from the host plan's facts (the host's kvcached plan is `p` itself)."""
+    from .places.run import plan_places
+
+    dirs = rpc_dirs(opts.layout.root) if opts.rpc_dirs is None else tuple(opts.rpc_dirs)
+    return plan_places(opts.layout, p.policy, p.facts, kvcached=opts.kvcached_pass, engines=opts.engine_pass,
+                       engine_kinds=opts.engine_kinds, rpc_dirs=dirs, kubelet_dir=opts.kubelet_dir, host_plan=p,
+                       now=p.now, proc_root=opts.proc_root, names=opts.names, kinds=opts.kinds)
 
 
 def _refuse_engine_name(name: str) -> None:

@@ -11,7 +11,7 @@ import os
 import re
 import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from .cleanup import Action, Report
@@ -22,6 +22,7 @@ from .scan import Kind
 
 if TYPE_CHECKING:  # the engine pass is imported only by runs that ask for engine state
     from .engines import EngineReport
+    from .places.run import PlaceResult
 
 PREFIX = "kvctl_gc"
 _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -76,11 +77,14 @@ def _metric(lines: list[str], name: str, kind: str, help_: str, samples: Samples
 
 
 def render(report: Report, *, success: bool, orphans: int = 0, last_success: float | None = None,
-           started: float | None = None, engines: EngineReport | None = None) -> str:
+           started: float | None = None, engines: EngineReport | None = None,
+           places: Sequence[PlaceResult] | None = None) -> str:
     """The textfile body for one run; `started` (default: the report's) times the whole run.
 
     With `engines` (a run that also judged the engines' leftovers), their
-    counts and bytes by engine and state follow (render_engines).
+    counts and bytes by engine and state follow (render_engines); with
+    `places` (gc -A: every place but the host's), what is left by place kind
+    (render_places). The counts above stay the host's.
     """
     lines: list[str] = []
 
@@ -109,6 +113,46 @@ def render(report: Report, *, success: bool, orphans: int = 0, last_success: flo
                "When a run last finished with no failures and no stale entries left.", [({}, round(last_success, 3))])
     if engines is not None:
         lines.append(render_engines(engines).rstrip("\n"))
+    if places is not None:
+        lines.append(render_places(report, engines, places).rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+def render_places(report: Report, engines: EngineReport | None, places: Sequence[PlaceResult]) -> str:
+    """gc -A's metrics: places found, stale entries and bytes left by place kind, and the worst place's bytes.
+
+    By kind, not by pod: a label per pod would be a series per pod that ever
+    lived; kvctl_gc_engine_stale_bytes_max_place lets one alert catch the pod
+    whose volume is filling (`kvctl inspect -A` names it).
+    """
+    from .places.discover import PlaceKind
+
+    found = {k: 0 for k in PlaceKind}
+    entries = {k: 0 for k in PlaceKind}
+    held = {k: 0 for k in PlaceKind}
+    found[PlaceKind.HOST] = 1
+    entries[PlaceKind.HOST] = len(report.stale_remaining) + (len(engines.stale_remaining) if engines else 0)
+    held[PlaceKind.HOST] = sum(e.bytes for e in engines.stale_remaining) if engines else 0
+    worst = 0
+    for r in places:
+        kind = r.place.kind
+        found[kind] += 1
+        left_bytes = sum(e.bytes for e in r.engines.stale_remaining) if r.engines else 0
+        entries[kind] += (len(r.report.stale_remaining) if r.report else 0) + (
+            len(r.engines.stale_remaining) if r.engines else 0)
+        held[kind] += left_bytes
+        worst = max(worst, left_bytes)
+    lines: list[str] = []
+    _metric(lines, "places", "gauge", "Places the last run judged (gc -A), by kind.",
+            [({"place_kind": str(k)}, n) for k, n in found.items()])
+    _metric(lines, "place_stale_entries", "gauge", "Stale entries left after the last run, by place kind.",
+            [({"place_kind": str(k)}, n) for k, n in entries.items()])
+    _metric(lines, "place_stale_bytes", "gauge",
+            "Bytes the stale engine leftovers left after the last run hold, by place kind.",
+            [({"place_kind": str(k)}, n) for k, n in held.items()])
+    _metric(lines, "engine_stale_bytes_max_place", "gauge",
+            "The most bytes stale engine leftovers left after the last run hold in one place other than the host's.",
+            [({}, worst)])
     return "\n".join(lines) + "\n"
 
 
@@ -189,11 +233,12 @@ def write_textfile(path: str, body: str) -> None:
 
 
 def write_report(path: str, report: Report, *, success: bool, orphans: int = 0,
-                 started: float | None = None, engines: EngineReport | None = None) -> None:
+                 started: float | None = None, engines: EngineReport | None = None,
+                 places: Sequence[PlaceResult] | None = None) -> None:
     """Render and write one run's metrics, keeping the previous last-success time when this run failed."""
     last = previous_value(path, f"{PREFIX}_last_success_timestamp_seconds")
     write_textfile(path, render(report, success=success, orphans=orphans, last_success=last, started=started,
-                                engines=engines))
+                                engines=engines, places=places))
 
 
 _RUN_METRICS = {f"{PREFIX}_{m}": m for m in ("lock_busy", "duration_seconds", "last_run_timestamp_seconds")}

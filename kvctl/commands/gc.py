@@ -9,8 +9,10 @@ from kvcached.node.enums import Action, EngineKind, Kind, StrEnum
 from ..documents import error_document, gc_document
 from ..exitcodes import CATEGORY_EXIT, CliError, Exit, exit_of
 from ..params import (
+    AllPlaces,
     Globals,
     JsonGc,
+    KubeletDir,
     KvctlCommand,
     MinAgeOpt,
     globals_of,
@@ -44,7 +46,7 @@ NODE_KIND: dict[KindChoice, Kind | EngineKind] = {KindChoice(m.value): m for m i
 def _asker(out: Out, run: Globals) -> Any:
     """gc's question before it removes (on a terminal): the plan, one row per deployment, then yes or no."""
 
-    def confirm(plan: Any, preview: Any, engines: Any = None) -> bool:
+    def confirm(plan: Any, preview: Any, engines: Any = None, places: Any = None) -> bool:
         if not interactive():
             return False
         render_report(out, preview, verbose=run.verbose > 0, by_deployment=True)
@@ -59,6 +61,10 @@ def _asker(out: Out, run: Globals) -> Any:
             render_engine_report(out, engines, verbose=run.verbose > 0, by_engine=True)
             n = engines.count(action=Action.WOULD_REMOVE)
             what += f" and {n} engine leftover(s) ({format_size(engines.bytes(action=Action.WOULD_REMOVE))})"
+        if places is not None:
+            from kvcached.node.places.run import would_remove
+
+            what += f" here, and {would_remove(places)} entr(ies) in {len(places)} other place(s)"
         return typer.confirm(f"Remove {what}?", default=False, err=True)
 
     return confirm
@@ -210,6 +216,8 @@ def gc(
                      help="Run again every DURATION (10% jitter; the first run at once) until SIGTERM or SIGINT, "
                      "one line per run; needs --yes or --dry-run; at least 10s."),
     ] = None,
+    all_places: AllPlaces = False,
+    kubelet_dir: KubeletDir = None,
     json_out: JsonGc = False,
 ) -> int:
     """Remove stale kvcached state: only what every signal proves dead and older than --min-age."""
@@ -221,7 +229,8 @@ def gc(
     opts = GcOptions(layout=run.layout(), names=tuple(names or ()), grace=min_age,
                      kinds=tuple(k for k in chosen if isinstance(k, Kind)), dry_run=dry_run, yes=yes,
                      time_limit=time_limit or None, kill_orphans=kill_orphans, prometheus=prometheus,
-                     engines=engines, engine_kinds=tuple(k for k in chosen if isinstance(k, EngineKind)))
+                     engines=engines, engine_kinds=tuple(k for k in chosen if isinstance(k, EngineKind)),
+                     all_places=all_places, kubelet_dir=kubelet_dir)
     if every is not None:
         return _every(every, opts, run, json_out)
     result = _run(opts, out, run, json_out)
@@ -235,6 +244,10 @@ def gc(
              f"re-run with --yes to remove them ({run.hinter(min_age)(again)})")
     if json_out:
         emit_json(gc_document(run.root, result, code))
+    elif result.places is not None and not (result.declined and interactive()):
+        from ..render_places import render_places_report
+
+        render_places_report(out, result, verbose=run.verbose > 0, terminal=out.terminal)
     elif not (result.declined and interactive()):  # the prompt already showed the plan
         # A row per deployment on a terminal (every entry with -v), a row per entry elsewhere.
         render_report(out, result.report, verbose=run.verbose > 0, by_deployment=out.terminal)
