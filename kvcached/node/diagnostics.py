@@ -84,6 +84,8 @@ class Context:
     python: str = sys.executable
     timeout: float = 180.0  # detect imports every installed engine (vLLM and SGLang: over a minute on a busy node)
     kvctl: str = "kvctl"  # the command fixes name, with the run's options (`kvctl --root DIR`)
+    all_places: bool = False  # doctor -A: the `pods` check looks in every place (kvcached.node.places)
+    kubelet_dir: str | None = None
 
     @cached_property
     def plan(self) -> Plan:
@@ -699,6 +701,12 @@ def _sglang_shapes(section: EngineSection, kvctl: str) -> list[CheckResult]:
     return _r("sglang-shapes", Group.ENGINE, Status.SKIP, SGLANG_NOT_COVERED + ray)
 
 
+def _check_pods(ctx: Context) -> list[CheckResult]:
+    from .places.doctor import check_pods
+
+    return check_pods(ctx)
+
+
 CHECKS: tuple[Check, ...] = (
     Check("shm", Group.ENVIRONMENT, "/dev/shm present, on tmpfs, with free space and inodes", check_shm),
     Check("tmp", Group.ENVIRONMENT, "/tmp sticky when world-writable", check_tmp),
@@ -712,6 +720,7 @@ CHECKS: tuple[Check, ...] = (
     Check("namespaces", Group.NODE, "deployments in other mount namespaces", check_namespaces),
     Check("engine-leftovers", Group.NODE, "what vLLM, SGLang, NCCL and CUDA left that is provably dead",
           check_engine_leftovers),
+    Check("pods", Group.NODE, "with -A: pod volumes and containers' shm holding dead leftovers", _check_pods),
     Check("vllm", Group.ENGINE, "installed vLLM: shutdown conditions and kvcached patches", check_vllm),
     Check("sglang", Group.ENGINE, "installed SGLang: stop hazards, kvcached patches, shapes not covered",
           check_sglang),

@@ -168,6 +168,7 @@ def node(base: str, kvctl: str) -> dict:
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777", "kvctest", sandbox], check=True)
         out["sandbox"] = {"path": sandbox, "files": [_plant(sandbox, f"psm_{secrets.token_hex(4)}")]}
         out["inspect"] = _kvctl(kvctl, base, "inspect", "-A")
+        out["doctor"] = _kvctl(kvctl, base, "doctor", "-A", "pods")
         out["dry"] = _kvctl(kvctl, base, "gc", "-A", "--engines", "--dry-run")
         out["gc"] = _kvctl(kvctl, base, "gc", "-A", "--engines", "--yes")
         out["left"] = {"a": sorted(os.listdir(vol_a)), "b": sorted(os.listdir(vol_b)),

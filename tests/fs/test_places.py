@@ -136,3 +136,13 @@ def test_replaced_filesystem_nothing_removed(tmp_path: Path) -> None:
     assert set(out["judged"].values()) == {"stale"}
     assert out["left"] == sorted(out["names"])
     assert all(action == "kept" for action, _ in out["actions"].values()), out["actions"]
+
+
+def test_doctor_pods_names_the_pod_its_bytes_and_the_fix(node: dict[str, Any]) -> None:
+    doc = node["doctor"]["doc"]
+    validate(doc, "doctor")
+    warned = [c for c in doc["checks"] if c["name"] == "pods" and c["status"] == "warn"]
+    pod = next(c for c in warned if c["details"]["place"]["pod_uid"] == node["uid_a"])
+    assert "sglang-0" in pod["summary"] and pod["details"]["stale_bytes"] >= 3 * 65536
+    assert "gc -A --engines --yes" in pod["fix"]
+    assert any(c["details"]["place"]["pod_uid"] == node["uid_b"] for c in warned)
