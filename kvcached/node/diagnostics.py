@@ -701,10 +701,28 @@ def _sglang_shapes(section: EngineSection, kvctl: str) -> list[CheckResult]:
     return _r("sglang-shapes", Group.ENGINE, Status.SKIP, SGLANG_NOT_COVERED + ray)
 
 
-def _check_pods(ctx: Context) -> list[CheckResult]:
-    from .places.doctor import check_pods
+def check_pods(ctx: Context) -> list[CheckResult]:
+    """With -A: warn for each place other than the host's whose dead leftovers `kvctl gc -A --engines` removes."""
+    g = Group.NODE
+    if not ctx.all_places:
+        return _r("pods", g, Status.SKIP, "the pods' volumes and containers' shm were not looked at (run with -A)")
+    from .places.doctor import dead_places
+    from .units import format_size
 
-    return check_pods(ctx)
+    dead, n, errors = dead_places(ctx.layout, ctx.policy, ctx.plan.facts, host_plan=ctx.plan,
+                                  kubelet_dir=ctx.kubelet_dir, proc_root=ctx.proc_root)
+    out: list[CheckResult] = []
+    for d in dead:
+        out += _r("pods", g, Status.WARN,
+                  f"{d.place.label}: {entries(d.entries, 'dead')} holding {format_size(d.bytes)}; the next start "
+                  "there may fail on a full /dev/shm",
+                  f"{ctx.kvctl} gc -A --engines --yes (removes only what is provably dead)",
+                  place=d.place.to_dict(), stale_entries=d.entries, stale_bytes=d.bytes)
+    if out:
+        return out
+    unread = f"; could not read: {'; '.join(errors[:3])}" if errors else ""
+    return _r("pods", g, Status.OK, f"{n} place(s) besides the host's, none with dead leftovers{unread}",
+              places=n, errors=errors)
 
 
 CHECKS: tuple[Check, ...] = (
@@ -720,7 +738,7 @@ CHECKS: tuple[Check, ...] = (
     Check("namespaces", Group.NODE, "deployments in other mount namespaces", check_namespaces),
     Check("engine-leftovers", Group.NODE, "what vLLM, SGLang, NCCL and CUDA left that is provably dead",
           check_engine_leftovers),
-    Check("pods", Group.NODE, "with -A: pod volumes and containers' shm holding dead leftovers", _check_pods),
+    Check("pods", Group.NODE, "with -A: pod volumes and containers' shm holding dead leftovers", check_pods),
     Check("vllm", Group.ENGINE, "installed vLLM: shutdown conditions and kvcached patches", check_vllm),
     Check("sglang", Group.ENGINE, "installed SGLang: stop hazards, kvcached patches, shapes not covered",
           check_sglang),

@@ -57,8 +57,8 @@ def doctor(
             f"{', '.join(dx.Group)})",
             Exit.USAGE,
         ) from None
-    ctx = dx.Context(run.layout(), kvctl=run.prefix(), all_places=all_places, kubelet_dir=kubelet_dir)
-    results = dx.run_checks(ctx, selected)
+    where = dx.Context(run.layout(), kvctl=run.prefix(), all_places=all_places, kubelet_dir=kubelet_dir)
+    results = dx.run_checks(where, selected)
     ok = dx.healthy(results, strict=strict)
     code = Exit.OK if ok else Exit.UNHEALTHY
     if json_out:
