@@ -11,7 +11,9 @@ from .render import Out, render_report, render_view
 def _heading(out: Out, place: Any, stale_bytes: int, stale: int) -> None:
     from kvcached.node.units import format_size
 
-    dead = f": {stale} stale, {format_size(stale_bytes)} held by dead engine leftovers" if stale else ""
+    dead = f": {stale} stale" if stale else ""
+    if stale_bytes:
+        dead += f", {format_size(stale_bytes)} held by dead engine leftovers"
     out.line((f"== {place.label}", "bold"), dead)
 
 
@@ -24,16 +26,22 @@ def render_places_view(out: Out, places: Sequence[Any], *, now: float, hint: Cal
             out.blank()
         d = pv.to_dict()
         _heading(out, pv.place, d["stale_bytes"], d["stale_entries"])
+        # The hints name the command that reaches the place: -A for every place but the host's.
+        here = hint if pv.place.is_host else _with_all(hint)
         if pv.view is not None and (pv.place.is_host or pv.view.deployments or pv.view.unowned):
-            render_view(out, pv.view, now=now, hint=hint)
+            render_view(out, pv.view, now=now, hint=here)
         if pv.engines:
             out.blank()
-            render_engine_view(out, pv.engines, hint=lambda c: hint(c.replace("gc ", "gc -A ", 1)))
+            render_engine_view(out, pv.engines, hint=here)
         for err in pv.errors:
             out.line(("could not read: ", "yellow"), err)
     found = len(places) - 1
     out.blank()
     out.line(f"{found} place{'' if found == 1 else 's'} besides the host's")
+
+
+def _with_all(hint: Callable[[str], str]) -> Callable[[str], str]:
+    return lambda c: hint(c.replace("gc ", "gc -A ", 1) if c.startswith("gc ") else c)
 
 
 def render_places_report(out: Out, result: Any, *, verbose: bool, terminal: bool) -> None:

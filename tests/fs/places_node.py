@@ -122,13 +122,13 @@ def _plant(directory: str, name: str) -> str:
     return name
 
 
-def _kvctl(kvctl: str, base: str, *args: str) -> dict:
-    r = subprocess.run([kvctl, "--root", f"{base}/root", *args, "--kubelet-dir", f"{base}/kubelet", "--json"],
-                       capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "KVCTL_SANDBOX_ROOT": f"{base}/sandroot"})
+def _kvctl(kvctl: str, base: str, *args: str, json_out: bool = True) -> dict:
+    r = subprocess.run([kvctl, "--root", f"{base}/root", *args, "--kubelet-dir", f"{base}/kubelet",
+                        *(["--json"] if json_out else [])], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "KVCTL_SANDBOX_ROOT": f"{base}/sandroot", "NO_COLOR": "1"})
     if r.returncode not in (0, 3):  # clean, or stale entries left (a dry run)
         raise SystemExit(f"kvctl {' '.join(args)}: exit {r.returncode}: {r.stderr}")
-    return {"code": r.returncode, "doc": json.loads(r.stdout), "stderr": r.stderr}
+    return {"code": r.returncode, "doc": json.loads(r.stdout) if json_out else r.stdout, "stderr": r.stderr}
 
 
 def node(base: str, kvctl: str) -> dict:
@@ -169,7 +169,11 @@ def node(base: str, kvctl: str) -> dict:
         out["sandbox"] = {"path": sandbox, "files": [_plant(sandbox, f"psm_{secrets.token_hex(4)}")]}
         out["inspect"] = _kvctl(kvctl, base, "inspect", "-A")
         out["doctor"] = _kvctl(kvctl, base, "doctor", "-A", "pods")
-        out["dry"] = _kvctl(kvctl, base, "gc", "-A", "--engines", "--dry-run")
+        out["inspect_text"] = _kvctl(kvctl, base, "inspect", "-A", json_out=False)
+        out["dry"] = _kvctl(kvctl, base, "gc", "-A", "--engines", "--dry-run", "--prometheus", f"{base}/gc.prom")
+        with open(f"{base}/gc.prom") as f:
+            out["metrics"] = f.read()
+        out["dry_text"] = _kvctl(kvctl, base, "gc", "-A", "--engines", "--dry-run", json_out=False)
         out["gc"] = _kvctl(kvctl, base, "gc", "-A", "--engines", "--yes")
         out["left"] = {"a": sorted(os.listdir(vol_a)), "b": sorted(os.listdir(vol_b)),
                        "c3": sorted(os.listdir(f"/proc/{out['c3']['host_pid']}/root/dev/shm")),

@@ -146,3 +146,17 @@ def test_doctor_pods_names_the_pod_its_bytes_and_the_fix(node: dict[str, Any]) -
     assert "sglang-0" in pod["summary"] and pod["details"]["stale_bytes"] >= 3 * 65536
     assert "gc -A --engines --yes" in pod["fix"]
     assert any(c["details"]["place"]["pod_uid"] == node["uid_b"] for c in warned)
+
+
+def test_text_groups_by_place_and_metrics_count_by_place_kind(node: dict[str, Any]) -> None:
+    text = node["inspect_text"]["doc"]
+    assert text.index("== host") < text.index("== pod sglang-0, volume dshm at /dev/shm")
+    assert "gc -A --engines --yes removes the stale" in text
+    dry = node["dry_text"]["doc"]
+    assert "== pod sglang-1, volume cache" in dry and "== sandbox, container " in dry
+    samples = dict(line.rsplit(" ", 1) for line in node["metrics"].splitlines() if line and not line.startswith("#"))
+    assert samples['kvctl_gc_places{place_kind="pod_volume"}'] == "2"
+    assert samples['kvctl_gc_places{place_kind="sandbox"}'] == "1"
+    # A dry run leaves every stale entry: pod A's three files are the worst place's.
+    assert int(samples["kvctl_gc_engine_stale_bytes_max_place"]) >= 3 * 65536
+    assert int(samples['kvctl_gc_place_stale_bytes{place_kind="pod_volume"}']) >= 3 * 65536 + 2 * 4096
