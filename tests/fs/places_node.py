@@ -12,6 +12,8 @@ Scenario "node": one kvctl gc -A run over
 - container C: a tmpfs of its own at /dev/shm, two processes sharing it, a dead buffer and a held one;
 - container D: tmpfs /tmp and /dev/shm with kvcached's own state, one deployment live, one dead;
 - sandbox S: a containerd sandbox shm mount with a dead buffer.
+Scenario "pgid": plan only (nothing is acted on), two pod volumes each with an upstream-like segment named by
+its creator's process group as its own PID namespace numbers it (kvcached_proc_1): one container dead, one alive.
 Scenario "replace": plan pod A's dead files, replace its filesystem by another tmpfs with the same names,
 act: nothing is removed.
 """
@@ -188,6 +190,51 @@ def node(base: str, kvctl: str) -> dict:
     return out
 
 
+UPSTREAM_SEGMENT = textwrap.dedent("""
+    import fcntl, os, struct, subprocess, sys, time
+    vol, role = sys.argv[1], sys.argv[2]
+    subprocess.run(["mount", "--bind", vol, "/dev/shm"], check=True)
+    os.setpgid(0, 0)  # its own group: PGID 1 in its PID namespace, as an engine that leads its group
+    name = f"kvcached_proc_{os.getpgid(0)}"
+    fd = os.open("/dev/shm/" + name, os.O_RDWR | os.O_CREAT, 0o644)  # upstream's way: open, flock, write, close
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.pwrite(fd, struct.pack("=qqq", 1 << 30, 0, 0), 0)
+    os.close(fd)
+    print(json.dumps({"pid": os.getpid(), "name": name}), flush=True)
+    if role == "live":
+        sys.stdin.read()
+""").replace("import fcntl,", "import json, fcntl,")
+
+
+def pgid(base: str) -> dict:
+    """Scenario "pgid" (the module docstring): the decisions only."""
+    from kvcached.node.decide import Policy
+    from kvcached.node.facts import gather_facts
+    from kvcached.node.layout import Layout
+    from kvcached.node.places.run import plan_places
+
+    os.makedirs(f"{base}/root/tmp")
+    os.makedirs(f"{base}/root/dev/shm")
+    dead_vol = _volume(f"{base}/kubelet", str(uuid.uuid4()), "dshm", "upstream-dead")
+    live_vol = _volume(f"{base}/kubelet", str(uuid.uuid4()), "dshm", "upstream-live")
+    c1, dead = _container(UPSTREAM_SEGMENT, dead_vol, "die")
+    c1.wait()
+    c2, live = _container(UPSTREAM_SEGMENT, live_vol, "live")
+    try:
+        live["host_pid"] = _host_pid(c2)
+        time.sleep(1.5)  # past the start-time slack: the live group started before its segment last changed
+        pp = plan_places(Layout(f"{base}/root"), Policy(grace=0.0), gather_facts(), kubelet_dir=f"{base}/kubelet")
+        decided = {}
+        for plan in pp.plans:
+            if plan.plan is not None and plan.place.path in (dead_vol, live_vol):
+                for c, d in plan.plan.entries():
+                    decided[plan.place.path] = [c.name, str(d.state), str(d.reason), list(d.pids)]
+    finally:
+        c2.kill()
+        c2.wait()
+    return {"dead": dead, "live": live, "decided": {"dead": decided.get(dead_vol), "live": decided.get(live_vol)}}
+
+
 def replace(base: str) -> dict:
     """Scenario "replace": judged on one filesystem, acted on after another took its place: nothing removed."""
     from kvcached.node.decide import Policy
@@ -214,5 +261,6 @@ def replace(base: str) -> dict:
 
 if __name__ == "__main__":
     base_dir, kvctl_path, scenario = sys.argv[1], sys.argv[2], sys.argv[3]
-    result = node(base_dir, kvctl_path) if scenario == "node" else replace(base_dir)
+    result = node(base_dir, kvctl_path) if scenario == "node" else pgid(base_dir) if scenario == "pgid" \
+        else replace(base_dir)
     print(json.dumps(result))

@@ -160,3 +160,11 @@ def test_text_groups_by_place_and_metrics_count_by_place_kind(node: dict[str, An
     # A dry run leaves every stale entry: pod A's three files are the worst place's.
     assert int(samples["kvctl_gc_engine_stale_bytes_max_place"]) >= 3 * 65536
     assert int(samples['kvctl_gc_place_stale_bytes{place_kind="pod_volume"}']) >= 3 * 65536 + 2 * 4096
+
+
+def test_a_default_name_is_the_group_its_own_namespace_numbers(tmp_path: Path) -> None:
+    """kvcached_proc_1 in a pod is PGID 1 of the pod's PID namespace, not the host's init's group."""
+    out = _run(tmp_path, "pgid")
+    assert out["dead"]["name"] == out["live"]["name"] == "kvcached_proc_1"
+    assert out["decided"]["dead"][1:3] == ["stale", "no_owner"]
+    assert out["decided"]["live"][1:] == ["live", "group_alive", [out["live"]["host_pid"]]]

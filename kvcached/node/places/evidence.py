@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 
 from ..engines.evidence import EngineEvidence, Proc
 from ..facts import Facts, ProcessInfo, _read
+from ..lease import LockEntry
 from .discover import Place, Places
 
 
@@ -71,21 +72,34 @@ def _inner_pgid(raw: bytes) -> int | None:
 
 @dataclasses.dataclass(kw_only=True)
 class PlaceFacts(Facts):
-    """The node's facts as one place sees them: process groups by the PGID its processes know."""
+    """The node's facts as one place sees them: process groups by the PGID its processes know.
 
-    place_pgids: dict[int, list[ProcessInfo]] = dataclasses.field(default_factory=dict)
+    Everything else is the node's: the lazy reads (maps, locks) are asked of
+    the node's facts, so a run reads each once however many places it judges,
+    and the PGIDs (one status read per viewer) only when a decision asks.
+    """
+
+    node: Facts
+    viewers: tuple[int, ...] = ()
+    _pgids: dict[int, list[ProcessInfo]] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def by_pgid(self, pgid: int) -> list[ProcessInfo]:
-        return self.place_pgids.get(pgid, [])
+        if self._pgids is None:
+            self._pgids = _inner_groups(self.node, self.viewers)
+        return self._pgids.get(pgid, [])
+
+    def mapped(self) -> dict[tuple[int, int], list[int]]:
+        return self.node.mapped()
+
+    @property
+    def locks(self) -> dict[tuple[int, int], list[LockEntry]]:
+        return self.node.locks
 
 
-def place_facts(facts: Facts, places: Places, place: Place) -> Facts:
-    """Facts for judging kvcached's own entries in `place` (the host's as they are)."""
-    if place.is_host:
-        return facts
-    assert place.dev is not None
+def _inner_groups(facts: Facts, pids: Iterable[int]) -> dict[int, list[ProcessInfo]]:
+    """The processes `pids` by the PGID their innermost PID namespace gives them (NSpgid)."""
     groups: dict[int, list[ProcessInfo]] = {}
-    for pid in places.viewers.get(place.dev, ()):
+    for pid in pids:
         info = facts.processes.get(pid)
         if info is None:
             continue
@@ -94,9 +108,14 @@ def place_facts(facts: Facts, places: Places, place: Place) -> Facts:
         except OSError:
             inner = None
         groups.setdefault(info.pgid if inner is None else inner, []).append(info)
-    # Facts' lazy reads (maps, locks) are made once on the node's facts and shared: read them first.
-    facts.mapped()
-    facts.locks  # noqa: B018 (a property that reads /proc/locks on first use)
+    return groups
+
+
+def place_facts(facts: Facts, places: Places, place: Place) -> Facts:
+    """Facts for judging kvcached's own entries in `place` (the host's as they are)."""
+    if place.is_host:
+        return facts
+    assert place.dev is not None
     shared = {f.name: getattr(facts, f.name) for f in dataclasses.fields(Facts)
-              if f.init and not f.name.startswith("_")}
-    return PlaceFacts(**shared, place_pgids=groups)
+              if f.init and not f.name.startswith("_") and f.name not in ("lock_table", "mapped_files")}
+    return PlaceFacts(**shared, node=facts, viewers=places.viewers.get(place.dev, ()))
