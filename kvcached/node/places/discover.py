@@ -124,7 +124,8 @@ class Places:
 
 
 _UID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
-_CGROUP_POD = re.compile(r"pod(" + _UID.replace("-", "[-_]") + r")")
+# The systemd cgroup driver spells the pod's UID with underscores (kubepods-burstable-pod<uid>.slice).
+_CGROUP_POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 # The last component of a container's cgroup: cri-containerd-<id>.scope, crio-<id>.scope, docker-<id>.scope,
 # or the bare id (cgroupfs driver).
 _CGROUP_CONTAINER = re.compile(r"(?:^|[-/])([0-9a-f]{64})(?:\.scope)?$")
