@@ -68,3 +68,34 @@ def _host() -> Any:
     from kvcached.node.places.discover import HOST
 
     return HOST
+
+
+def places_summary_line(result: Any) -> str:
+    """`places: 6 besides the host's, removed 7 (260K) in 4`: gc -A's other places in one line (--every)."""
+    from kvcached.node.enums import Action
+    from kvcached.node.units import format_size
+
+    gone = Action.WOULD_REMOVE if result.dry_run else Action.REMOVED
+    places = result.places or ()
+    n = acted = held = 0
+    for r in places:
+        here = sum(part.count(action=gone) for part in (r.report, r.engines) if part is not None)
+        n += here
+        acted += bool(here)
+        held += r.engines.bytes(action=gone) if r.engines is not None else 0
+    verb = "would remove" if result.dry_run else "removed"
+    return f"places: {len(places)} besides the host's, {verb} {n}" + (
+        f" ({format_size(held)}) in {acted}" if n else "")
+
+
+def log_places(result: Any) -> None:
+    """What cron must see of gc -A's other places: each one's failures and summary, where it had entries."""
+    from .render import log_report
+    from .render_engines import log_engine_report
+
+    for r in result.places or ():
+        command = f"kvctl gc -A [{r.place.label}]"
+        if r.report is not None and r.report.entries:
+            log_report(r.report, command)
+        if r.engines is not None and r.engines.entries:
+            log_engine_report(r.engines, command)

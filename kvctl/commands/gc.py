@@ -121,6 +121,10 @@ def _run_line(result: Any, code: int) -> tuple[str, str]:
         from ..render_engines import engine_summary_line
 
         line += f"; {engine_summary_line(result.engines)}"
+    if result.places is not None:
+        from ..render_places import places_summary_line
+
+        line += f"; {places_summary_line(result)}"
     level = "error" if code in (Exit.ERROR, Exit.PARTIAL_FAILURE) else "warning" if code else "info"
     return f"{line} (exit {code})", level
 
@@ -261,6 +265,10 @@ def gc(
             from ..render_engines import log_engine_report
 
             log_engine_report(result.engines)
+        if result.places is not None:
+            from ..render_places import log_places
+
+            log_places(result)
     if not json_out:
         _orphan_lines(out, run, result, min_age)
         if result.engines is None and not names:

@@ -72,6 +72,8 @@ def test_the_pod_gc_removes_exactly_the_dead_containers_files(node: dict[str, An
     assert entries[node["c2"]["names"][2]]["reason"] == "held_open"
     assert all(e["place"]["kind"] == "pod_volume" for e in entries.values())
     assert gc["summary"]["entries"] == len(gc["entries"])
+    # Off a terminal (cron), each place's summary goes to stderr, named.
+    assert "kvctl gc -A [pod sglang-0, volume dshm at /dev/shm" in node["gc"]["stderr"]
 
 
 def test_links_and_bind_mounts_in_a_pod_volume_touch_nothing_outside(node: dict[str, Any]) -> None:
