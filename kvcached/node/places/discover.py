@@ -1,6 +1,6 @@
 """Every place on the node where kvcached state or engine leftovers can live, found from one /proc pass.
 
-A place is one filesystem (one st_dev) that someone uses as /dev/shm or /tmp:
+A place is one directory that someone uses as /dev/shm or /tmp, on its own filesystem or not:
 
 - the host's own /dev/shm and /tmp (the layout's; `HOST`);
 - a memory-backed emptyDir, a tmpfs mounted at
@@ -11,9 +11,12 @@ A place is one filesystem (one st_dev) that someone uses as /dev/shm or /tmp:
   mount namespace (a container, a PrivateTmp= service), reached through
   /proc/<pid>/root of one of its processes.
 
-One place per device, however many processes, namespaces or mounts share it;
-a device found twice keeps the first, most stable way in (the kubelet's or
-the runtime's path before a process's root, which dies with the process).
+One place per directory (its st_dev and st_ino), however many processes,
+namespaces or mounts share it: a PrivateTmp= service's /tmp is a directory of
+the host's root filesystem, and two containers may each get a subdirectory of
+one tmpfs. A directory found twice keeps the first, most stable way in (the
+kubelet's or the runtime's path before a process's root, which dies with the
+process).
 Each mount namespace's mount table is read once, from one of its processes,
 so the pass costs namespaces + processes, never places × processes.
 """
@@ -60,6 +63,7 @@ class Place:
     path: str                      # the directory as kvctl reaches it
     seen: Seen
     dev: int | None = None         # its st_dev; None for the host, whose two directories the layout names
+    ino: int | None = None         # its directory's st_ino: with dev, what the act must find again
     path_inside: str | None = None  # the directory as the pod or container sees it, when a process shows it
     pod_uid: str | None = None
     pod: str | None = None
@@ -114,7 +118,6 @@ class Places:
 
     host: Place
     others: list[Place]
-    host_devs: frozenset[int]
     # device -> PIDs whose mount namespace mounts it (not at the kubelet's or a runtime's bookkeeping path)
     viewers: dict[int, tuple[int, ...]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
@@ -255,21 +258,29 @@ def open_inside(root: str, rel: str) -> int:
     return fd
 
 
-def _device_of(root: str, rel: str) -> int | str:
-    """The st_dev of `root`/`rel` reached without following a link, or why it could not be reached."""
+def _identity_of(root: str, rel: str) -> tuple[int, int] | str:
+    """(st_dev, st_ino) of `root`/`rel` reached without following a link, or why it could not be reached."""
     try:
         fd = open_inside(root, rel)
     except OSError as e:
         why = "a symbolic link; not followed" if e.errno == errno.ELOOP else e.strerror
         return f"{os.path.join(root, rel.lstrip('/'))}: {why}"
     try:
-        return os.fstat(fd).st_dev
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
     finally:
         os.close(fd)
 
 
 class _Finder:
-    """One discovery: the places found so far by device, and what to read once per namespace."""
+    """One discovery: the places found so far by directory identity, and what to read once per namespace.
+
+    A place is keyed by its directory's (st_dev, st_ino), not its device
+    alone: a PrivateTmp= service's /tmp is a directory of the host's root
+    filesystem, and two containers may each get a subdirectory of one tmpfs.
+    The same directory reached twice (a volume at the kubelet's path and at a
+    container's /dev/shm) is one place.
+    """
 
     def __init__(self, facts: Facts, host: Layout, kubelet_dir: str, sandbox_root: str) -> None:
         self.facts = facts
@@ -277,30 +288,35 @@ class _Finder:
         self.kubelet_dir = kubelet_dir
         self.sandbox_root = sandbox_root
         self.bookkeeping = _bookkeeping(kubelet_dir, sandbox_root)
-        self.by_dev: dict[int, Place] = {}
-        self.order: list[int] = []
+        self.by_id: dict[tuple[int, int], Place] = {}
         self.errors: list[str] = []
-        self.host_devs: set[int] = set()
+        self.host_ids: set[tuple[int, int]] = set()
         # kvctl's own /dev/shm and /tmp are the host's too, also under --root (which re-bases where the host
         # place is judged): judged as another place by stricter evidence, they would be the node's own.
         for d in (host.shm_dir, host.tmp_dir, "/dev/shm", "/tmp"):
             try:
-                self.host_devs.add(os.stat(d).st_dev)
+                st = os.stat(d)
             except OSError:
-                pass
+                continue
+            self.host_ids.add((st.st_dev, st.st_ino))
         self.sees: dict[str | None, frozenset[int]] = {}
 
-    def add(self, place: Place) -> None:
-        assert place.dev is not None
-        if place.dev in self.host_devs or place.dev in self.by_dev:
-            return
-        self.by_dev[place.dev] = place
-        self.order.append(place.dev)
+    def add(self, ident: tuple[int, int], place: Place) -> None:
+        if ident not in self.host_ids and ident not in self.by_id:
+            self.by_id[ident] = replace(place, ino=ident[1])
 
     def visible(self, mounts: Iterable[Mount]) -> frozenset[int]:
         """The devices a namespace's processes can use: its mounts, less the kubelet's and runtimes' copies."""
         return frozenset(m.dev for m in mounts if m.dev and not (m.point.rstrip("/") + "/").startswith(
             self.bookkeeping))
+
+    def _mounted(self, m: Mount) -> tuple[int, int] | None:
+        """The identity of a mount point of kvctl's own table, when it is the filesystem the table says."""
+        ident = _identity_of(m.point, "")
+        if isinstance(ident, str) or ident[0] != m.dev:
+            self.errors.append(ident if isinstance(ident, str) else f"{m.point}: not the mounted filesystem")
+            return None
+        return ident
 
     def own_mounts(self, mounts: list[Mount]) -> None:
         """Memory-backed emptyDirs and sandbox shm mounts, from kvctl's own mount table."""
@@ -312,24 +328,19 @@ class _Finder:
                 continue
             if (e := empty.fullmatch(m.point)) is not None:
                 uid, volume = e.group(1), e.group(2)
+                if (ident := self._mounted(m)) is None:
+                    continue
                 if uid not in pods:
                     pods[uid] = pod_of_kubelet_dir(self.kubelet_dir, uid)
-                dev = _device_of(m.point, "")
-                if isinstance(dev, str) or dev != m.dev:
-                    self.errors.append(dev if isinstance(dev, str) else f"{m.point}: not the mounted filesystem")
-                    continue
                 pod, ns = pods[uid]
-                self.add(Place(PlaceKind.POD_VOLUME, m.point, Seen.SHM, m.dev, pod_uid=uid, pod=pod, namespace=ns,
-                               volume=volume))
+                self.add(ident, Place(PlaceKind.POD_VOLUME, m.point, Seen.SHM, m.dev, pod_uid=uid, pod=pod,
+                                      namespace=ns, volume=volume))
                 continue
             for runtime, pattern in sandboxes:
-                if (s := pattern.fullmatch(m.point)) is not None:
-                    dev = _device_of(m.point, "")
-                    if isinstance(dev, str) or dev != m.dev:
-                        self.errors.append(dev if isinstance(dev, str) else f"{m.point}: not the mounted filesystem")
-                        break
-                    self.add(Place(PlaceKind.SANDBOX, m.point, Seen.SHM, m.dev, path_inside="/dev/shm",
-                                   container=s.group(1), runtime=runtime))
+                if (sb := pattern.fullmatch(m.point)) is not None:
+                    if (ident := self._mounted(m)) is not None:
+                        self.add(ident, Place(PlaceKind.SANDBOX, m.point, Seen.SHM, m.dev, path_inside="/dev/shm",
+                                              container=sb.group(1), runtime=runtime))
                     break
 
     def namespace(self, ns: str, rep: int) -> None:
@@ -341,32 +352,31 @@ class _Finder:
             return
         self.sees[ns] = self.visible(mounts)
         root = f"{self.proc_root}/{rep}/root"
-        pod_uid = container = hostname = None
-        read_ids = False
+        ids: tuple[str | None, str | None, str | None] | None = None  # pod UID, container, HOSTNAME
         for seen, inside in _INSIDE.items():
             m = _covering(mounts, inside)
             if m is None or not m.dev:
                 continue
-            known = self.by_dev.get(m.dev)
-            if m.dev in self.host_devs or (known is not None and known.path_inside is not None):
+            ident = _identity_of(root, inside)
+            if isinstance(ident, str):
+                self.errors.append(ident)
                 continue
-            if not read_ids:
-                pod_uid, container = _cgroup_ids(self.proc_root, rep)
-                hostname = _hostname(self.proc_root, rep) if pod_uid else None
-                read_ids = True
-            if known is not None:  # a pod volume or sandbox shm: now we know where the pod sees it
-                self.by_dev[m.dev] = replace(known, path_inside=inside, container=known.container or container,
-                                             pod_uid=known.pod_uid or pod_uid, pod=known.pod or hostname)
-                continue
-            dev = _device_of(root, inside)
-            if isinstance(dev, str):
-                self.errors.append(dev)
-                continue
-            if dev != m.dev:
+            if ident[0] != m.dev:
                 self.errors.append(f"{root}{inside}: not the filesystem its mount table shows there; not judged")
                 continue
-            self.add(Place(PlaceKind.MOUNT_NAMESPACE, f"{root}{inside}", seen, m.dev, path_inside=inside,
-                           pod_uid=pod_uid, pod=hostname, container=container))
+            known = self.by_id.get(ident)
+            if ident in self.host_ids or (known is not None and known.path_inside is not None):
+                continue
+            if ids is None:  # read once per namespace, and only for a namespace with a place of its own
+                pod_uid, container = _cgroup_ids(self.proc_root, rep)
+                ids = (pod_uid, container, _hostname(self.proc_root, rep) if pod_uid else None)
+            pod_uid, container, hostname = ids
+            if known is not None:  # a pod volume or sandbox shm: now we know where the pod sees it
+                self.by_id[ident] = replace(known, path_inside=inside, container=known.container or container,
+                                            pod_uid=known.pod_uid or pod_uid, pod=known.pod or hostname)
+                continue
+            self.add(ident, Place(PlaceKind.MOUNT_NAMESPACE, f"{root}{inside}", seen, m.dev, path_inside=inside,
+                                  pod_uid=pod_uid, pod=hostname, container=container))
 
 
 def discover(facts: Facts, host: Layout, *, kubelet_dir: str | None = None,
@@ -386,14 +396,13 @@ def discover(facts: Facts, host: Layout, *, kubelet_dir: str | None = None,
             reps[p.mnt_ns] = pid
     for ns in sorted(reps, key=lambda n: reps[n]):
         finder.namespace(ns, reps[ns])
-    places = [finder.by_dev[d] for d in finder.order]
-    wanted = set(finder.order)
+    places = list(finder.by_id.values())
+    wanted = {pl.dev for pl in places}
     per_ns = {ns: devs & wanted for ns, devs in finder.sees.items()}
     viewers: dict[int, list[int]] = {}
     for pid, p in facts.processes.items():
         for dev in per_ns.get(p.mnt_ns, ()):
             viewers.setdefault(dev, []).append(pid)
     final = [replace(pl, pids=tuple(sorted(viewers.get(pl.dev, ())))) for pl in places]  # type: ignore[arg-type]
-    host_place = replace(HOST, path=host.root)
-    return Places(host_place, final, frozenset(finder.host_devs), {d: tuple(sorted(v)) for d, v in viewers.items()},
+    return Places(replace(HOST, path=host.root), final, {d: tuple(sorted(v)) for d, v in viewers.items()},
                   finder.errors)

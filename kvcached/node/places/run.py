@@ -189,7 +189,7 @@ def _same_filesystem(place: Place) -> str | None:
         st = os.stat(place.path, follow_symlinks=False)
     except OSError as e:
         return f"{place.path}: {e.strerror}"
-    if st.st_dev != place.dev:
+    if st.st_dev != place.dev or (place.ino is not None and st.st_ino != place.ino):
         return f"{place.path}: no longer the filesystem judged"
     return None
 
