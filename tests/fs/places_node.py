@@ -11,7 +11,9 @@ Scenario "node": one kvctl gc -A run over
 - pod B: an emptyDir with no process left (its volume alone);
 - container C: a tmpfs of its own at /dev/shm, two processes sharing it, a dead buffer and a held one;
 - container D: tmpfs /tmp and /dev/shm with kvcached's own state, one deployment live, one dead;
-- sandbox S: a containerd sandbox shm mount with a dead buffer.
+- sandbox S: a containerd sandbox shm mount with a dead buffer;
+- service E: a PrivateTmp=-like /tmp (a directory of the host's /tmp filesystem) with a dead and a live vLLM
+  ZMQ socket.
 Scenario "pgid": plan only (nothing is acted on), two pod volumes each with an upstream-like segment named by
 its creator's process group as its own PID namespace numbers it (kvcached_proc_1): one container dead, one alive.
 Scenario "replace": plan pod A's dead files, replace its filesystem by another tmpfs with the same names,
@@ -88,10 +90,31 @@ KVCACHED_CONTAINER = textwrap.dedent("""
 """)
 
 
-def _container(code: str, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], dict]:
-    p = subprocess.Popen(["unshare", "--mount", "--pid", "--fork", "--propagation", "private", sys.executable, "-c",
-                          code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                         env={**os.environ, **(env or {})})
+PRIVATE_TMP = textwrap.dedent("""
+    import json, os, socket, subprocess, sys, time, uuid
+    # A PrivateTmp= service: its /tmp a directory of the host's own /tmp filesystem, in its own mount namespace.
+    subprocess.run(["mount", "--bind", sys.argv[1], "/tmp"], check=True)
+    dead, live = f"/tmp/{uuid.uuid4()}", f"/tmp/{uuid.uuid4()}"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(dead)
+    s.close()  # the node stays; nothing is bound to it any more
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(live)
+    srv.listen(4)
+    old = time.time() - 3600
+    for p in (dead, live):
+        os.utime(p, (old, old))
+    print(json.dumps({"pid": os.getpid(), "dead": os.path.basename(dead), "live": os.path.basename(live)}),
+          flush=True)
+    sys.stdin.read()
+""")
+
+
+def _container(code: str, *args: str, env: dict[str, str] | None = None,
+               pid_ns: bool = True) -> tuple[subprocess.Popen[str], dict]:
+    ns = ["--mount", "--pid", "--fork"] if pid_ns else ["--mount"]
+    p = subprocess.Popen(["unshare", *ns, "--propagation", "private", sys.executable, "-c", code, *args],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     assert p.stdout is not None
     line = p.stdout.readline()
     if not line:
@@ -165,6 +188,9 @@ def node(base: str, kvctl: str) -> dict:
                                    env={"KVCACHED_IPC_NAME": f"live{os.getpid()}"})
         procs.append(c4)
         out["c4"]["host_pid"] = _host_pid(c4)
+        os.makedirs(f"{base}/privtmp", mode=0o1777)
+        c5, out["c5"] = _container(PRIVATE_TMP, f"{base}/privtmp", pid_ns=False)
+        procs.append(c5)
         sandbox = f"{base}/sandroot/run/containerd/io.containerd.grpc.v1.cri/sandboxes/{secrets.token_hex(32)}/shm"
         os.makedirs(sandbox)
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777", "kvctest", sandbox], check=True)
@@ -181,7 +207,7 @@ def node(base: str, kvctl: str) -> dict:
                        "c3": sorted(os.listdir(f"/proc/{out['c3']['host_pid']}/root/dev/shm")),
                        "c4_shm": sorted(os.listdir(f"/proc/{out['c4']['host_pid']}/root/dev/shm")),
                        "c4_tmp": sorted(os.listdir(f"/proc/{out['c4']['host_pid']}/root/tmp")),
-                       "sandbox": sorted(os.listdir(sandbox)), "outside": sorted(os.listdir(f"{base}/outside"))}
+                       "sandbox": sorted(os.listdir(sandbox)), "privtmp": sorted(os.listdir(f"{base}/privtmp")), "outside": sorted(os.listdir(f"{base}/outside"))}
         subprocess.run(["umount", f"{vol_a}/{bind}"], check=True)
     finally:
         for p in procs:

@@ -97,7 +97,8 @@ def test_a_pod_with_no_process_left_loses_its_dead_files(node: dict[str, Any]) -
 def test_a_container_of_its_own_is_one_place_however_many_processes(node: dict[str, Any]) -> None:
     gc = node["gc"]["doc"]
     host_pid = node["c3"]["host_pid"]
-    mine = [p for p in gc["places"] if p["kind"] == "mount_namespace" and host_pid in p["pids"]]
+    mine = [p for p in gc["places"] if p["kind"] == "mount_namespace" and host_pid in p["pids"]
+            and p["path_inside"] == "/dev/shm"]
     assert len(mine) == 1, gc["places"]
     place = mine[0]
     # Reached through one of them (the lowest PID: here unshare(1) itself, in the namespace it made).
@@ -170,3 +171,13 @@ def test_a_default_name_is_the_group_its_own_namespace_numbers(tmp_path: Path) -
     assert out["dead"]["name"] == out["live"]["name"] == "kvcached_proc_1"
     assert out["decided"]["dead"][1:3] == ["stale", "no_owner"]
     assert out["decided"]["live"][1:] == ["live", "group_alive", [out["live"]["host_pid"]]]
+
+
+def test_a_private_tmp_on_the_hosts_filesystem_is_a_place(node: dict[str, Any]) -> None:
+    gc = node["gc"]["doc"]
+    c5 = node["c5"]
+    place = next(p for p in gc["places"] if c5["pid"] in p["pids"] and p["path_inside"] == "/tmp")
+    assert place["kind"] == "mount_namespace" and place["path"] == f"/proc/{c5['pid']}/root/tmp"
+    assert node["left"]["privtmp"] == [c5["live"]]
+    entries = {e["path"].rsplit("/", 1)[1]: e for e in _by_place(gc)[place["path"]]}
+    assert entries[c5["dead"]]["reason"] == "not_listening" and entries[c5["live"]]["reason"] == "listening"
