@@ -171,6 +171,43 @@ def _every(every: float, opts: Any, run: Globals, json_out: bool) -> int:
         return run_every(every, lambda: _one_run(opts, run, json_out), stop)
 
 
+def _declined(run: Globals, opts: Any, result: Any, min_age: float) -> None:
+    """Nothing removed because nobody confirmed: how many stale entries remain, and the command that removes them."""
+    again = ("gc -A" if opts.all_places else "gc") + (" --engines --yes" if opts.engine_pass else " --yes")
+    stale = len(result.report.stale_remaining) + len(result.engines.stale_remaining if result.engines else ())
+    stale += sum(len(part.stale_remaining) for r in result.places or () for part in (r.report, r.engines)
+                 if part is not None)
+    note(f"nothing removed: {stale} stale entr{'y' if stale == 1 else 'ies'} remain; "
+         f"re-run with --yes to remove them ({run.hinter(min_age)(again)})")
+
+
+def _show(out: Out, run: Globals, result: Any) -> None:
+    """gc's report on stdout: a row per deployment on a terminal (every entry with -v), a row per entry elsewhere."""
+    if result.places is not None:
+        from ..render_places import render_places_report
+
+        render_places_report(out, result, verbose=run.verbose > 0, terminal=out.terminal)
+        return
+    render_report(out, result.report, verbose=run.verbose > 0, by_deployment=out.terminal)
+    if result.engines is not None:
+        from ..render_engines import render_engine_report
+
+        render_engine_report(out, result.engines, verbose=run.verbose > 0, by_engine=out.terminal)
+
+
+def _log(result: Any) -> None:
+    """What cron must still see on stderr: every failure and each part's summary (-A: each place's too)."""
+    log_report(result.report)
+    if result.engines is not None:
+        from ..render_engines import log_engine_report
+
+        log_engine_report(result.engines)
+    if result.places is not None:
+        from ..render_places import log_places
+
+        log_places(result)
+
+
 @app.command("gc", cls=KvctlCommand)
 def gc(
     ctx: typer.Context,
@@ -242,33 +279,13 @@ def gc(
     if kill_orphans and not dry_run and not yes and not result.killed and result.killable:
         note("orphans not terminated: confirm on a terminal or pass --yes")
     if result.declined:
-        again = "gc --engines --yes" if opts.engine_pass else "gc --yes"
-        stale = len(result.report.stale_remaining) + len(result.engines.stale_remaining if result.engines else ())
-        note(f"nothing removed: {stale} stale entr{'y' if stale == 1 else 'ies'} remain; "
-             f"re-run with --yes to remove them ({run.hinter(min_age)(again)})")
+        _declined(run, opts, result, min_age)
     if json_out:
         emit_json(gc_document(run.root, result, code))
-    elif result.places is not None and not (result.declined and interactive()):
-        from ..render_places import render_places_report
-
-        render_places_report(out, result, verbose=run.verbose > 0, terminal=out.terminal)
     elif not (result.declined and interactive()):  # the prompt already showed the plan
-        # A row per deployment on a terminal (every entry with -v), a row per entry elsewhere.
-        render_report(out, result.report, verbose=run.verbose > 0, by_deployment=out.terminal)
-        if result.engines is not None:
-            from ..render_engines import render_engine_report
-
-            render_engine_report(out, result.engines, verbose=run.verbose > 0, by_engine=out.terminal)
+        _show(out, run, result)
     if not out.terminal and not result.dry_run:
-        log_report(result.report)  # cron sends stdout to /dev/null: problems and the summary go to stderr
-        if result.engines is not None:
-            from ..render_engines import log_engine_report
-
-            log_engine_report(result.engines)
-        if result.places is not None:
-            from ..render_places import log_places
-
-            log_places(result)
+        _log(result)  # cron sends stdout to /dev/null: problems and the summary go to stderr
     if not json_out:
         _orphan_lines(out, run, result, min_age)
         if result.engines is None and not names:

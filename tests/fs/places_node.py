@@ -207,7 +207,8 @@ def node(base: str, kvctl: str) -> dict:
                        "c3": sorted(os.listdir(f"/proc/{out['c3']['host_pid']}/root/dev/shm")),
                        "c4_shm": sorted(os.listdir(f"/proc/{out['c4']['host_pid']}/root/dev/shm")),
                        "c4_tmp": sorted(os.listdir(f"/proc/{out['c4']['host_pid']}/root/tmp")),
-                       "sandbox": sorted(os.listdir(sandbox)), "privtmp": sorted(os.listdir(f"{base}/privtmp")), "outside": sorted(os.listdir(f"{base}/outside"))}
+                       "sandbox": sorted(os.listdir(sandbox)), "privtmp": sorted(os.listdir(f"{base}/privtmp")),
+                       "outside": sorted(os.listdir(f"{base}/outside"))}
         subprocess.run(["umount", f"{vol_a}/{bind}"], check=True)
     finally:
         for p in procs:
