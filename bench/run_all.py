@@ -19,7 +19,9 @@ another's measurement.
                        bursty trace vs the peak in use and SGLang's full preallocation
 6. bench_engines.py    plain gc against main's tree (must not be slower), and what `gc --engines`
                        adds over 1,000 psm_ files and 200 processes vs a bare maps-reading loop
-7. bench_places.py     gc -A --engines' pass over 50 pod volumes x 200 files vs the host pass over the
+7. bench_gpu_holders.py  the GPU-holder pass over 500 processes against the gc --engines run it is part
+                       of (paired runs; target: adds ≤ 10 %)
+8. bench_places.py     gc -A --engines' pass over 50 pod volumes x 200 files vs the host pass over the
                        same 10,000 files in one directory (root only: tmpfs mounts)
 """
 
@@ -31,7 +33,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = [["bench_cli_start.py"], ["bench_gc.py"], ["bench_pages.py"], ["bench_elastic.py"], ["bench_sglang.py"],
-           ["bench_engines.py"], ["bench_places.py"]]
+           ["bench_engines.py"], ["bench_gpu_holders.py"], ["bench_places.py"]]
 
 
 def main() -> int:

@@ -179,9 +179,11 @@ def _report(schema: str, root: str, report: Report, dry_run: bool, code: IntEnum
 
 def gc_document(root: str, result: GcResult, code: IntEnum) -> dict[str, Any]:
     """`gc --json` (gc.json, schema kvctl.gc/1); with --engines, the engine leftovers' entries follow kvcached's."""
+    # blind: null when the run saw every process; else each reason it did not (kvcached.node.sight)
     doc = _report("kvctl.gc/1", root, result.report, result.dry_run, code,
                   orphans=[{"deployment": d.name, **o.to_dict()} for d, o in result.orphans],
-                  killed=[k.to_dict() for k in result.killed])
+                  killed=[k.to_dict() for k in result.killed],
+                  blind=result.sight.to_dict() if result.sight is not None else None)
     if result.engines is not None:
         _add_engines(doc, result.report, result.engines)
     if result.places is not None:
@@ -241,14 +243,17 @@ def _inspect(view: NodeView) -> dict[str, Any]:
     return {"schema": "kvctl.inspect/1", **view.to_dict()}
 
 
-def inspect_document(view: NodeView, pid: int | None, engines: Sequence[EngineEntry] = (),
+def inspect_document(view: NodeView, pid: int | None, engines: Sequence[EngineEntry] = (), gpu: Any = None,
                      places: Sequence[Any] | None = None) -> dict[str, Any]:
-    """`inspect --json` (inspect.json): the node's view, the `--pid` it was seen through, the engines' leftovers.
+    """`inspect --json` (inspect.json): the node's view, the `--pid` it was seen through, the engines' leftovers,
+    the GPU holders (kvcached.node.gpu.GpuReport).
 
-    With `places` (inspect -A: kvcached.node.places.view's PlaceView, host first), every deployment and
+    With `places` (inspect -A: kvcached.node.places.run's PlaceView, host first), every deployment and
     engine entry carries its place, and the document lists the places.
     """
-    doc = {**_inspect(view), "pid": pid, "engine_state": [e.to_dict() for e in engines]}
+    doc = {**_inspect(view), "pid": pid, "engine_state": [e.to_dict() for e in engines],
+           "gpu_holders": [] if gpu is None else gpu.to_list(),
+           "gpu_memory_note": None if gpu is None else gpu.memory_note}
     if places is None:
         return doc
     host = places[0].place.to_dict() | {"path": view.layout.root}

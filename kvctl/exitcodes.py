@@ -21,7 +21,7 @@ class Exit(IntEnum):
     LOCK_BUSY = 5        # gc: another gc holds the node's lock
     NOT_FOUND = 6        # the named deployment, segment or process does not exist
     REFUSED = 7          # the target is live, not ours, or not a kvcached segment: nothing done
-    UNHEALTHY = 8        # doctor: a check failed (or warned, with --strict)
+    UNHEALTHY = 8        # doctor: a check failed (or warned, with --strict); gc --check-heartbeat: late
     INTERRUPTED = 130    # Ctrl-C
 
 

@@ -13,6 +13,10 @@
   signal abandons the run in progress (exit 130): the lock goes with the
   process, and the metrics file is the last complete one (it is replaced by
   rename, never written in place).
+- With --heartbeat FILE, FILE is rewritten after every run, failed or not
+  (kvcached.node.heartbeat): `kvctl gc --check-heartbeat FILE --max-age AGE`
+  fails when the loop has stopped making runs. With --metrics-port, an HTTP
+  thread serves the last run's metrics (kvcached.node.metrics_http).
 """
 
 from __future__ import annotations
@@ -64,9 +68,10 @@ class Stop:
 
 
 def run_every(every: float, once: Callable[[], int], stop: Stop, *, runs: int | None = None,
-              rng: random.Random | None = None) -> int:
+              rng: random.Random | None = None, after: Callable[[int], None] | None = None) -> int:
     """Call `once` (a whole gc run, returning its exit code) until `stop`; the last run's code.
 
+    `after` is called with each run's code when it ends (the heartbeat);
     `runs` bounds the number of runs (tests); `rng` draws the jitter.
     """
     draw = rng or random.Random()
@@ -74,6 +79,8 @@ def run_every(every: float, once: Callable[[], int], stop: Stop, *, runs: int | 
     while True:
         code = once()
         done += 1
+        if after is not None:
+            after(code)
         if stop.requested.is_set() or (runs is not None and done >= runs):
             return code
         if stop.wait(next_wait(every, draw)):

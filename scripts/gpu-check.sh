@@ -15,6 +15,11 @@
 #    boundary, remap: zeros, new writes, the padding slot's group intact). Needs SGLang
 #    0.5.23 importable; "SKIP sglang-pool: ..." otherwise. The suite runs the same
 #    script on the CPU (tests/sglang/test_pool_check.py).
+# 6. checks kvctl on a real GPU holder (scripts/gpu_holder_check.py): a child titled
+#    VLLM::EngineCore allocates 4 GiB with torch, its parent is SIGKILLed; inspect reports
+#    it as an orphan with NVML's figure; gc --engines --kill-orphans --yes ends it; NVML
+#    shows the memory back. The suite runs the same path on mknod'ed nodes and a
+#    stand-in NVML (tests/fs/test_gpu_holders.py, tests/cli/test_gpu_cli.py).
 #
 # Prints exactly one line per check, "PASS name", "FAIL name: why" or
 # "SKIP name: why" (a test skipped for a stated reason), then one summary
@@ -294,6 +299,12 @@ sglang_pool_checks() {
     || { local rc=$?; [[ $rc -eq 1 ]] || echo "FAIL sglang-pool: died or timed out (exit $rc): $(tail -n1 "$log")"; }
 }
 
+gpu_holder_checks() {
+  local log="$LOGS/gpu-check-holders.log"
+  timeout 240 "$PY" scripts/gpu_holder_check.py 4 2>"$log" \
+    || { local rc=$?; [[ $rc -eq 1 ]] || echo "FAIL gpu-holders: died or timed out (exit $rc): $(tail -n1 "$log")"; }
+}
+
 main() {
   echo "# gpu-check $(git rev-parse --short HEAD 2>/dev/null || echo '?') on" \
        "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n1 || echo 'no nvidia-smi')"
@@ -301,6 +312,7 @@ main() {
     gpu_tests | record
     pages_checks | record
     sglang_pool_checks | record
+    gpu_holder_checks | record
   fi
   local passed failed skipped
   passed=$(grep -c '^PASS ' "$RESULTS")

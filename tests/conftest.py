@@ -18,10 +18,10 @@ import pytest
 
 from kvcached.node.layout import Layout
 
-# The engine-leftover fixtures (children, engine_node), shared by tests/fs and tests/cli: registered as
-# a plugin because a fixture imported into a test module reads to ruff as an unused import (F401) that
-# each test's parameter redefines (F811).
-pytest_plugins = ["tests.fs.engine_plant"]
+# The engine-leftover fixtures (children, engine_node) and the GPU holders' (gpu_nodes, standins), shared by
+# tests/fs and tests/cli: registered as a plugin because a fixture imported into a test module reads to ruff
+# as an unused import (F401) that each test's parameter redefines (F811).
+pytest_plugins = ["tests.fs.engine_plant", "tests.fs.gpu_fixtures"]
 
 TEST_USER = "kvctest"
 REPO = Path(__file__).resolve().parents[1]

@@ -54,6 +54,7 @@ def _text(doc: DetectDocument) -> str:
         lines.append(f"{name} {eng.version or '?'}: kvcached {state}" + (f" ({eng.error})" if eng.error else ""))
         lines += [f"  patch {p.name}: {p.status} ({p.reason})" for p in eng.patches]
         lines += [f"  condition {c.name}: {c.present} ({c.detail})" for c in eng.conditions]
+        lines += [f"  hazard {h.name}: {h.present}" + (f" ({h.detail})" if h.detail else "") for h in eng.hazards]
     return "\n".join(lines)
 
 

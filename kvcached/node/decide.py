@@ -108,6 +108,8 @@ _UNNAMED = _d(State.UNKNOWN, Reason.UNNAMED,
 _NOT_LISTENING = _d(State.STALE, Reason.NOT_LISTENING, "no socket is bound to it (connect refused)")
 _PGID_REUSED = _d(State.STALE, Reason.PGID_REUSED,
                   "its process group id now belongs to a newer group with no engine-like process")
+_HIDDEN_OWNER = _d(State.UNKNOWN, Reason.PROC_INCOMPLETE,
+                   "/proc hides other users' processes (hidepid): whoever owns it may not be listed")
 _NO_OWNER = _d(State.STALE, Reason.NO_OWNER, "no lease, holder, listener or process of its deployment")
 _ALL_STALE = _d(State.STALE, Reason.ALL_STALE, "every entry inside is stale")
 _EMPTY_DIR = _d(State.STALE, Reason.EMPTY_DIR, "empty, and no process of its deployment is alive")
@@ -224,6 +226,9 @@ def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
     blind = facts.blind_spots(c.uid)
     if blind:
         return _d(State.UNKNOWN, Reason.PROC_INCOMPLETE, "processes that could own it could not be fully read", blind)
+    if facts.hidden_users and c.uid != policy.effective_uid:
+        # hidepid lists no process of another user: its owner's would be missing, not dead.
+        return _HIDDEN_OWNER
     if kind is Kind.DIRECTORY:
         for state, reason in ((State.UNKNOWN, Reason.CHILD_UNKNOWN), (State.YOUNG, Reason.CHILD_YOUNG)):
             hits = [d for d in children if d.state is state]

@@ -2,7 +2,7 @@
 
 Node-state checks read the same plan gc would act on (one scan, one /proc pass
 per run). Checks that need another interpreter (the compiled extension, the
-installed vLLM) run it in a subprocess, so a crash or a noisy import there
+installed engines) run it in a subprocess, so a crash or a noisy import there
 cannot take down or pollute the caller.
 """
 
@@ -13,28 +13,19 @@ import os
 import stat
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import settings
 from . import naming
 from .cleanup import Plan, plan
 from .decide import Policy, State
-from .detectdoc import (
-    RAY_INSTALLED,
-    SGLANG_PLATFORM,
-    SGLANG_PLATFORM_COVERED,
-    SGLANG_RUST_SERVER,
-    DetectDocument,
-    DocumentError,
-    EngineSection,
-    PatchReport,
-    PatchStatus,
-)
+from .detectdoc import DetectDocument, DocumentError, EngineSection, Hazard, PatchReport, PatchStatus
 from .detectdoc import parse as parse_detect
 from .enums import StrEnum
+from .host_hazards import Finding, HostConfig
 from .layout import SUN_PATH_MAX, Layout
 from .mounts import mount_of
 from .units import entries
@@ -66,10 +57,12 @@ class CheckResult:
     summary: str
     fix: str | None = None
     details: Mapping[str, Any] = field(default_factory=dict)
+    under: str | None = None  # the line this one is listed under (its engine's), which says the fix they share
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (doctor.json's check)."""
         return {"name": self.name, "group": str(self.group), "status": str(self.status),
-                "summary": self.summary, "fix": self.fix, "details": dict(self.details)}
+                "summary": self.summary, "fix": self.fix, "details": dict(self.details), "under": self.under}
 
 
 @dataclass
@@ -82,10 +75,15 @@ class Context:
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     proc_root: str = "/proc"
     python: str = sys.executable
-    timeout: float = 180.0  # detect imports every installed engine (vLLM and SGLang: over a minute on a busy node)
+    timeout: float = 180.0  # detect imports every installed engine (two of them: over a minute on a busy node)
     kvctl: str = "kvctl"  # the command fixes name, with the run's options (`kvctl --root DIR`)
     all_places: bool = False  # doctor -A: the `pods` check looks in every place (kvcached.node.places)
     kubelet_dir: str | None = None
+    host: HostConfig | None = None  # where the host's configuration is read; None: under the layout's root
+
+    @property
+    def host_config(self) -> HostConfig:
+        return self.host if self.host is not None else HostConfig(root=self.layout.root)
 
     @cached_property
     def plan(self) -> Plan:
@@ -281,6 +279,53 @@ def check_privileges(ctx: Context) -> list[CheckResult]:
     return _r("privileges", Group.ENVIRONMENT, Status.OK, f"running as uid {uid}; all entries found are ours", uid=uid)
 
 
+def check_sight(ctx: Context) -> list[CheckResult]:
+    """Whether this kvctl reads every process's fds, maps and status; fail with the fix for each cause (sight.py)."""
+    from .sight import assess
+
+    sight = assess(ctx.proc_root, ctx.plan.facts)
+    creds = sight.credentials
+    who: dict[str, Any] = {"uid": creds.uid, "cap_sys_ptrace": creds.ptrace, "lsm": creds.lsm} if creds else {}
+    if not sight.blind:
+        return _r("sight", Group.ENVIRONMENT, Status.OK,
+                  f"kvctl reads every process it judges ({len(ctx.plan.facts.processes)} processes)", **who)
+    return [CheckResult("sight", Group.ENVIRONMENT, Status.FAIL, r.detail, r.fix,
+                        {"cause": str(r.cause), "pids": list(r.pids), **who}) for r in sight.reasons]
+
+
+def _finding(name: str, f: Finding, group: Group = Group.ENVIRONMENT) -> list[CheckResult]:
+    return _r(name, group, Status(f.status), f.summary, f.fix, **f.details)
+
+
+def _serves(ctx: Context) -> dict[int, list[int]]:
+    """uid -> PIDs of kvcached deployments' processes and engine processes (API servers, engines, workers)."""
+    from .host_hazards import serve_uids
+    from .roles import Role, classify_process
+
+    procs = {p.info.pid: p.info for d in ctx.view.deployments for p in d.processes}
+    procs.update({p.pid: p for p in ctx.plan.facts.processes.values() if classify_process(p).role is not Role.OTHER})
+    return serve_uids(procs.values())
+
+
+def check_logind(ctx: Context) -> list[CheckResult]:
+    from .host_hazards import check_remove_ipc
+
+    return _finding("logind-removeipc", check_remove_ipc(ctx.host_config, _serves(ctx)))
+
+
+def check_tmpfiles(ctx: Context) -> list[CheckResult]:
+    from .host_hazards import check_tmpfiles as tmpfiles
+
+    names = {d.name for d in ctx.view.deployments} | {naming.ipc_name_from_env(ctx.environ, tag="proc")}
+    return _finding("tmpfiles-age", tmpfiles(ctx.host_config, {n for n in names if naming.is_valid_name(n)}))
+
+
+def check_upstream_limits(ctx: Context) -> list[CheckResult]:
+    from .host_hazards import check_upstream_limits as upstream
+
+    return _finding("upstream-limits", upstream(ctx.python, ctx.environ, ctx.timeout), Group.CONFIGURATION)
+
+
 # configuration --------------------------------------------------------------
 
 
@@ -440,6 +485,14 @@ def check_orphans(ctx: Context) -> list[CheckResult]:
     )
 
 
+def check_gpu_orphans(ctx: Context) -> list[CheckResult]:
+    """Orphaned engine processes holding a GPU (kvcached.node.gpu)."""
+    from .gpu.doctor import gpu_orphan_findings
+
+    return [CheckResult("gpu-orphans", Group.NODE, Status(status), summary, fix, details)
+            for status, summary, fix, details in gpu_orphan_findings(ctx.plan.facts, ctx.kvctl)]
+
+
 def check_namespaces(ctx: Context) -> list[CheckResult]:
     ns = ctx.view.namespaces
     if not ns:
@@ -457,7 +510,7 @@ def check_namespaces(ctx: Context) -> list[CheckResult]:
 
 
 def check_engine_leftovers(ctx: Context) -> list[CheckResult]:
-    """What the engines themselves left (vLLM, SGLang, NCCL, CUDA IPC): warn while dead ones hold memory."""
+    """What the engines themselves left (kvcached.node.engines' families): warn while dead ones hold memory."""
     from collections import Counter
 
     from .units import format_size
@@ -517,188 +570,121 @@ def detect_engines(ctx: Context) -> DetectDocument:
                            stdout=r.stdout[-2000:]) from None
 
 
-def check_vllm(ctx: Context) -> list[CheckResult]:
+def check_engines(ctx: Context) -> list[CheckResult]:
+    """Each installed engine as its integration reports it (kvcached.detect/1): its line, the rest listed under it."""
     g = Group.ENGINE
     try:
         doc = ctx.engines
     except DetectFailed as e:
-        return _r("vllm", g, e.status, e.summary, e.fix, **e.details)
-    section = doc.engines.get("vllm")
-    if section is None:
-        return _r("vllm", g, Status.SKIP, "vLLM is not installed here")
-    return vllm_results(section, kvctl=ctx.kvctl) + ray_results(
-        section.facts.get(RAY_INSTALLED) is True, ray_serves(ctx.view.facts.processes.values()), kvctl=ctx.kvctl
-    )
-
-
-# What kvcached does not cover under Ray (docs/VLLM.md, "Shapes").
-RAY_NOT_COVERED = (
-    "Ray-backed serves (--distributed-executor-backend ray, --data-parallel-backend ray) are not "
-    "covered: their workers and engines are Ray actors outside the serve's process group, so no "
-    "worker socket is served, no segment is claimed and no owner cleans up after them"
-)
-_RAY_ACTORS = ("RayWorkerProc", "EngineCoreActor", "DPMoEEngineCoreActor")
-
-
-def ray_serves(processes: Any) -> list[int]:
-    """PIDs of vLLM processes on this node that run on Ray (by command line or Ray actor title)."""
-    out = []
-    for p in processes:
-        argv = p.cmdline
-        title = argv[0] if argv else ""
-        if title.startswith("ray::") and any(a in title for a in _RAY_ACTORS):
-            out.append(p.pid)
-            continue
-        for i, arg in enumerate(argv[:-1]):
-            if arg in ("--distributed-executor-backend", "--data-parallel-backend") and argv[i + 1] == "ray":
-                out.append(p.pid)
-                break
-        else:
-            if any(a in ("--distributed-executor-backend=ray", "--data-parallel-backend=ray") for a in argv):
-                out.append(p.pid)
-    return sorted(out)
-
-
-def ray_results(installed: bool, pids: list[int], kvctl: str = "kvctl") -> list[CheckResult]:
-    """Doctor lines about Ray: a warning naming the Ray-backed vLLM processes running here, else a note if installed.
-
-    `kvctl`: the command the fix names, with the run's options (Context.kvctl).
-    """
-    g = Group.ENGINE
-    if pids:
-        return _r(
-            "vllm-ray",
-            g,
-            Status.WARN,
-            f"Ray-backed vLLM process(es) here (PID {', '.join(map(str, pids[:8]))}): " + RAY_NOT_COVERED,
-            "serve with the default multiprocessing backends to have kvcached cover them; "
-            f"meanwhile clean up by hand: {kvctl} gc --yes",
-            pids=pids,
-        )
-    if installed:
-        return _r("vllm-ray", g, Status.SKIP, "Ray is installed; none of its vLLM serves runs here. " + RAY_NOT_COVERED)
-    return []
-
-
-def vllm_results(section: EngineSection, kvctl: str = "kvctl") -> list[CheckResult]:
-    """Doctor lines from the `vllm` section of kvcached.detect/1; fixes name `kvctl` (Context.kvctl)."""
-    g = Group.ENGINE
-    if section.error:
-        return _r("vllm", g, Status.WARN, f"could not inspect the installed vLLM: {section.error}")
-    # vLLM splits its allow-list on commas and keeps any spaces (vllm/envs.py).
-    out, enable = _plugin_lines(
-        section, "vllm", "vLLM", settings.VLLM_PLUGINS.name,
-        "export ENABLE_KVCACHED=true (kvcached's vLLM plugin applies its patches in every vLLM process)",
-        lambda text: [n for n in text.split(",") if n])
-    return out + _patch_and_condition_lines(section, "vllm", "vLLM", enable, kvctl)
-
-
-def _plugin_lines(section: EngineSection, engine: str, label: str, var: str, enable: str,
-                  listed: Callable[[str], list[str]]) -> tuple[list[CheckResult], str]:
-    """A section's `<engine>` line and, where the allow-list `var` leaves kvcached out, its `<engine>-plugins` line.
-
-    Also returns the fix the section's later lines name: `enable`, or how to
-    add kvcached to the allow-list, whose names `listed` reads as the engine does.
-    """
-    g, plugin = Group.ENGINE, section.plugin
-    if not plugin.allowed:
-        names = listed(plugin.allow_list or "")
-        enable = (f"export {plugin.allow_list_var}={','.join(names + ['kvcached'])} (or unset "
-                  f"{plugin.allow_list_var}): {label} loads only the plugins it lists")
-    state = (f"enabled, but inactive: {var} excludes it" if plugin.enabled and not plugin.allowed
-             else "enabled" if plugin.enabled else "not enabled in this environment")
-    out = _r(engine, g, Status.OK if plugin.active else Status.WARN,
-             f"{label} {section.version or '?'} installed; kvcached integration {state}",
-             None if plugin.active else enable, detect=section.to_dict())
-    if not plugin.allowed:
-        out += _r(f"{engine}-plugins", g, Status.WARN,
-                  f"{var}={plugin.allow_list!r} does not list kvcached: "
-                  f"{label} never loads kvcached's plugin, so its patches are inactive", enable)
-    return out, enable
-
-
-def _patch_and_condition_lines(section: EngineSection, engine: str, label: str, enable: str,
-                               kvctl: str) -> list[CheckResult]:
-    """One line per patch (`<engine>-patch:<name>`) and per leak condition (`<engine>:<name>`) of a section."""
+        return _r("engines", g, e.status, e.summary, e.fix, **e.details)
+    if not doc.engines:
+        return _r("engines", g, Status.SKIP, "no engine kvcached integrates with is installed here")
+    # The /proc pass only where a hazard names processes to look for.
+    wanted = any(h.processes for s in doc.engines.values() for h in s.hazards)
+    processes = list(ctx.plan.facts.processes.values()) if wanted else []
     out: list[CheckResult] = []
-    for patch in section.patches:
-        out += _patch_line(section, patch, enable, kvctl, engine, label)
-    active = any(section.patch_active(p) for p in section.patches)
-    g = Group.ENGINE
-    for c in section.conditions:
-        text = f"{label} {c.name}: " + {True: "present", False: "absent", None: "could not tell"}[c.present]
-        text += f" ({c.detail})" if c.detail else ""
-        if c.present is False:
-            out += _r(f"{engine}:{c.name}", g, Status.OK, text)
-        elif c.present and active:
-            out += _r(f"{engine}:{c.name}", g, Status.OK, text + "; kvcached's patches work around it")
-        else:
-            out += _r(f"{engine}:{c.name}", g, Status.WARN,
-                      text + ("; no kvcached patch is active" if c.present else ""),
-                      f"{enable}; meanwhile: {kvctl} gc --yes")
+    for name, section in doc.engines.items():
+        out += engine_results(name, section, processes, kvctl=ctx.kvctl)
     return out
 
 
-def _patch_line(section: EngineSection, patch: PatchReport, enable: str, kvctl: str, engine: str = "vllm",
-                label: str = "vLLM") -> list[CheckResult]:
-    g, name, why = Group.ENGINE, f"{engine}-patch:{patch.name}", f" ({patch.reason})" if patch.reason else ""
+class _Process(Protocol):
+    """What hazards are judged by: a process's id and command line (facts.ProcessInfo has them)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def cmdline(self) -> Sequence[str]: ...
+
+
+def engine_results(name: str, section: EngineSection, processes: Iterable[_Process] = (),
+                   kvctl: str = "kvctl") -> list[CheckResult]:
+    """Doctor lines from the section `name` of kvcached.detect/1, judging its hazards against the node's `processes`.
+
+    The engine's line comes first and every other line is listed under it
+    (`under`); what makes kvcached active is said once, on the engine's line
+    (or on `<name>-plugins` when the allow-list is what keeps it out), not on
+    each patch it would make active. Fixes name `kvctl` (Context.kvctl).
+    """
+    label = section.label or name
+    hazards = [line for h in section.hazards for line in _hazard_lines(name, label, h, processes, kvctl)]
+    if section.error:
+        return [CheckResult(name, Group.ENGINE, Status.WARN,
+                            f"could not inspect the installed {label}: {section.error}"), *hazards]
+    out = _plugin_lines(name, label, section)
+    out += [_patch_line(name, label, section, patch, kvctl) for patch in section.patches]
+    return out + _condition_lines(name, label, section, kvctl) + hazards
+
+
+def _plugin_lines(name: str, label: str, section: EngineSection) -> list[CheckResult]:
+    """The engine's line and, where its allow-list leaves kvcached out, `<name>-plugins`: the one that says the fix."""
+    g, plugin = Group.ENGINE, section.plugin
+    fix = None if plugin.active else plugin.fix or f"turn kvcached's {label} integration on in this environment"
+    state = (f"enabled, but inactive: {plugin.allow_list_var} excludes it" if plugin.enabled and not plugin.allowed
+             else "enabled" if plugin.enabled else "not enabled in this environment")
+    out = [CheckResult(name, g, Status.OK if plugin.active else Status.WARN,
+                       f"{label} {section.version or '?'} installed; kvcached integration {state}",
+                       fix if plugin.allowed else None, {"detect": section.to_dict()})]
+    if not plugin.allowed:
+        out.append(CheckResult(f"{name}-plugins", g, Status.WARN,
+                               f"{plugin.allow_list_var}={plugin.allow_list!r} does not list kvcached: "
+                               f"{label} never loads kvcached's plugin, so its patches are inactive", fix, under=name))
+    return out
+
+
+def _patch_line(name: str, label: str, section: EngineSection, patch: PatchReport, kvctl: str) -> CheckResult:
+    g, line, why = Group.ENGINE, f"{name}-patch:{patch.name}", f" ({patch.reason})" if patch.reason else ""
     if section.patch_active(patch):
-        return _r(name, g, Status.OK, f"kvcached patch {patch.name}: active{why}")
-    if patch.status is PatchStatus.READY:
-        return _r(name, g, Status.WARN, f"kvcached patch {patch.name}: inactive{why}", enable)
+        return CheckResult(line, g, Status.OK, f"kvcached patch {patch.name}: active{why}", under=name)
+    if patch.status is PatchStatus.READY:  # what would make it active is the engine's fix, said once above
+        return CheckResult(line, g, Status.WARN, f"kvcached patch {patch.name}: inactive{why}", under=name)
     if patch.status is PatchStatus.UNKNOWN_SHAPE:
-        return _r(name, g, Status.WARN, f"kvcached patch {patch.name}: stands aside, unknown {label} shape{why}",
-                  f"use a kvcached release that knows this {label}; meanwhile: {kvctl} gc --yes")
+        return CheckResult(line, g, Status.WARN,
+                           f"kvcached patch {patch.name}: stands aside, unknown {label} shape{why}",
+                           f"use a kvcached release that knows this {label}; meanwhile: {kvctl} gc --yes", under=name)
     words = {PatchStatus.NOT_NEEDED: "not needed", PatchStatus.DISABLED: "off",
              PatchStatus.NOT_COVERED: "not covered here"}
-    return _r(name, g, Status.SKIP, f"kvcached patch {patch.name}: {words.get(patch.status, str(patch.status))}{why}")
+    return CheckResult(line, g, Status.SKIP,
+                       f"kvcached patch {patch.name}: {words.get(patch.status, str(patch.status))}{why}", under=name)
 
 
-def check_sglang(ctx: Context) -> list[CheckResult]:
-    g = Group.ENGINE
-    try:
-        doc = ctx.engines
-    except DetectFailed as e:
-        return _r("sglang", g, e.status, e.summary, e.fix, **e.details)
-    section = doc.engines.get("sglang")
-    if section is None:
-        return _r("sglang", g, Status.SKIP, "SGLang is not installed here")
-    return sglang_results(section, kvctl=ctx.kvctl)
+def _condition_lines(name: str, label: str, section: EngineSection, kvctl: str) -> list[CheckResult]:
+    """A line per leak condition (`<name>:<condition>`): ok when absent or worked around by an active patch."""
+    active = any(section.patch_active(p) for p in section.patches)
+    out = []
+    for c in section.conditions:
+        text = f"{label} {c.name}: " + {True: "present", False: "absent", None: "could not tell"}[c.present]
+        text += f" ({c.detail})" if c.detail else ""
+        line = f"{name}:{c.name}"
+        if c.present is False:
+            out.append(CheckResult(line, Group.ENGINE, Status.OK, text, under=name))
+        elif c.present and active:
+            out.append(CheckResult(line, Group.ENGINE, Status.OK, text + "; kvcached's patches work around it",
+                                   under=name))
+        else:
+            out.append(CheckResult(line, Group.ENGINE, Status.WARN,
+                                   text + ("; no kvcached patch is active" if c.present else ""),
+                                   f"until kvcached's patches are active, clean up by hand: {kvctl} gc --yes",
+                                   under=name))
+    return out
 
 
-# What kvcached does not cover in SGLang (docs/SGLANG.md, "Shapes to stand aside from").
-SGLANG_NOT_COVERED = (
-    "kvcached stands aside (one log line in each process, nothing made, no owner cleanup) in SGLang serves on "
-    "Ray (--use-ray), with the Rust server (SGLANG_RUST_SERVER), on the nodes after node 0 of a multi-node serve, "
-    "and on devices other than CUDA and the CPU"
-)
-
-
-def sglang_results(section: EngineSection, kvctl: str = "kvctl") -> list[CheckResult]:
-    """Doctor lines from the `sglang` section of kvcached.detect/1; fixes name `kvctl` (Context.kvctl)."""
-    g = Group.ENGINE
-    if section.error:
-        return _r("sglang", g, Status.WARN, f"could not inspect the installed SGLang: {section.error}")
-    # SGLang strips each name of its allow-list (sglang/srt/plugins/__init__.py).
-    out, enable = _plugin_lines(
-        section, "sglang", "SGLang", settings.SGLANG_PLUGINS.name,
-        "export KVCACHED_ENABLE=1 (kvcached's SGLang plugin applies its patches in every SGLang process)",
-        lambda text: [n.strip() for n in text.split(",") if n.strip()])
-    return out + _patch_and_condition_lines(section, "sglang", "SGLang", enable, kvctl) + _sglang_shapes(section, kvctl)
-
-
-def _sglang_shapes(section: EngineSection, kvctl: str) -> list[CheckResult]:
-    facts = section.facts
-    here = []
-    if facts.get(SGLANG_RUST_SERVER) is True:
-        here.append("SGLANG_RUST_SERVER is set in this environment")
-    if facts.get(SGLANG_PLATFORM_COVERED) is False:
-        here.append(f"SGLang's platform here is {facts.get(SGLANG_PLATFORM)!r}")
-    if here:
-        return _r("sglang-shapes", Group.ENGINE, Status.WARN, "; ".join(here) + ": " + SGLANG_NOT_COVERED,
-                  f"serve without them to have kvcached cover the serve; meanwhile clean up by hand: {kvctl} gc --yes")
-    ray = "; Ray is installed here" if facts.get(RAY_INSTALLED) is True else ""
-    return _r("sglang-shapes", Group.ENGINE, Status.SKIP, SGLANG_NOT_COVERED + ray)
+def _hazard_lines(name: str, label: str, hazard: Hazard, processes: Iterable[_Process],
+                  kvctl: str) -> list[CheckResult]:
+    """`<name>-<hazard>`: a warning when this environment is such a serve or node processes show one, else a note."""
+    line, match = f"{name}-{hazard.name}", hazard.processes
+    pids = sorted(p.pid for p in processes if match.matches(p.cmdline)) if match else []
+    if hazard.present or pids:
+        why = [hazard.detail] if hazard.present and hazard.detail else []
+        if match and pids:
+            why.append(f"{match.label} process(es) here (PID {', '.join(map(str, pids[:8]))})")
+        fix = f"{hazard.fix}; meanwhile clean up by hand: {kvctl} gc --yes" if hazard.fix else f"{kvctl} gc --yes"
+        summary = ("; ".join(why) + ": " if why else "") + hazard.summary
+        return [CheckResult(line, Group.ENGINE, Status.WARN, summary, fix, {"pids": pids} if pids else {}, under=name)]
+    if not hazard.report_absent:
+        return []
+    note = (f"; {hazard.detail}" if hazard.detail else "") + (f"; no {match.label} process runs here" if match else "")
+    return [CheckResult(line, Group.ENGINE, Status.SKIP, hazard.summary + note, under=name)]
 
 
 def check_pods(ctx: Context) -> list[CheckResult]:
@@ -730,18 +716,26 @@ CHECKS: tuple[Check, ...] = (
     Check("tmp", Group.ENVIRONMENT, "/tmp sticky when world-writable", check_tmp),
     Check("proc", Group.ENVIRONMENT, "/proc readable, hidepid", check_proc),
     Check("privileges", Group.ENVIRONMENT, "who we run as and what we may clean", check_privileges),
+    Check("sight", Group.ENVIRONMENT, "every process's fds, maps and status readable: hostPID, hidepid, "
+          "CAP_SYS_PTRACE, security modules", check_sight),
+    Check("logind", Group.ENVIRONMENT, "systemd-logind RemoveIPC=yes and serves of users without lingering",
+          check_logind),
+    Check("tmpfiles", Group.ENVIRONMENT, "systemd-tmpfiles rules that age kvcached's paths in /dev/shm or /tmp",
+          check_tmpfiles),
+    Check("upstream-limits", Group.CONFIGURATION, "upstream kvcached's in-process revisioned limits next to "
+          "kvctl limit", check_upstream_limits),
     Check("ipc-name", Group.CONFIGURATION, "KVCACHED_IPC_NAME sanitised vs. raw", check_ipc_name),
     Check("socket-paths", Group.CONFIGURATION, "socket paths within 108 bytes", check_socket_paths),
     Check("extension", Group.CONFIGURATION, "compiled extension loadable (in a subprocess)", check_extension),
     Check("stale", Group.NODE, "stale, unknown and foreign entries (the scan gc uses)", check_stale),
     Check("orphans", Group.NODE, "orphaned workers", check_orphans),
+    Check("gpu-orphans", Group.NODE, "engine processes holding a GPU after their serve is gone", check_gpu_orphans),
     Check("namespaces", Group.NODE, "deployments in other mount namespaces", check_namespaces),
-    Check("engine-leftovers", Group.NODE, "what vLLM, SGLang, NCCL and CUDA left that is provably dead",
+    Check("engine-leftovers", Group.NODE, "what the engines, NCCL and CUDA IPC left that is provably dead",
           check_engine_leftovers),
     Check("pods", Group.NODE, "with -A: pod volumes and containers' shm holding dead leftovers", check_pods),
-    Check("vllm", Group.ENGINE, "installed vLLM: shutdown conditions and kvcached patches", check_vllm),
-    Check("sglang", Group.ENGINE, "installed SGLang: stop hazards, kvcached patches, shapes not covered",
-          check_sglang),
+    Check("engines", Group.ENGINE, "installed engines, as their integrations report them: kvcached's plugin and "
+          "patches, the engines' leak conditions, shapes not covered", check_engines),
 )
 CHECK_NAMES = tuple(c.name for c in CHECKS)
 

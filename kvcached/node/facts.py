@@ -16,6 +16,7 @@ from typing import NamedTuple
 from .lease import LockEntry, read_proc_locks
 from .mounts import hidepid
 from .naming import ENV_NAME, sanitize
+from .sight import hides_other_users
 
 # Process start times come from boot-relative ticks plus a whole-second btime,
 # so they can be off by up to a second: a process is taken to have started
@@ -45,6 +46,9 @@ class ProcessInfo(NamedTuple):
     mnt_ns: str | None
     net_ns: str | None
     unreadable: frozenset[str]  # which of environ / fd / ns could not be read (maps: Facts.unreadable_pids)
+    # (fd, target) of each descriptor naming a path outside /dev/shm: what the GPU-holder pass stats
+    # (kvcached/node/gpu/holders.py), so that it lists no fd directory again
+    paths: tuple[tuple[str, str], ...] = ()
 
     @property
     def complete(self) -> bool:
@@ -81,6 +85,9 @@ class Facts:
     unreadable_netns: set[str] = field(default_factory=set)
     unreadable_pids: dict[int, frozenset[str]] = field(default_factory=dict)
     hidepid: bool = False
+    # hidepid hides other users' processes from this pass (we can see past it by neither CAP_SYS_PTRACE nor gid=):
+    # a candidate of another user may have owners the pass never listed
+    hidden_users: bool = False
     errors: list[str] = field(default_factory=list)
     # (st_dev, st_ino) -> pids mapping it; None until first needed (see mapped())
     mapped_files: dict[tuple[int, int], list[int]] | None = None
@@ -91,6 +98,11 @@ class Facts:
     _device_maps: dict[frozenset[int], dict[tuple[int, int], list[int]]] = field(
         default_factory=dict, repr=False, compare=False)
     _ns_pids: dict[int, tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
+    # map_users' reads by device: what was read, and what a later pass asked to be read with it (also_map)
+    _per_device: dict[int, dict[tuple[int, int], list[int]]] = field(default_factory=dict, repr=False,
+                                                                     compare=False)
+    _maps_read: set[int] = field(default_factory=set, repr=False, compare=False)
+    _maps_wanted: set[int] = field(default_factory=set, repr=False, compare=False)
 
     @property
     def locks(self) -> dict[tuple[int, int], list[LockEntry]]:
@@ -151,14 +163,33 @@ class Facts:
 
         By device, not by path: a process may map a /dev/shm file through any
         mount of that tmpfs. The same read fills `mapped()` when it has not
-        run yet, so a run that asks for both reads each maps file once.
+        run yet, and collects the devices `also_map` asked for, so a run whose
+        passes ask for several read each maps file once.
         """
         key = frozenset(devices)
         if key in self._device_maps:
             return self._device_maps[key]
+        if key - self._maps_read:
+            self._read_device_maps(key | self._maps_wanted)
+        out: dict[tuple[int, int], list[int]] = {}
+        for dev in key:
+            out.update(self._per_device.get(dev, {}))  # idents carry their device: no two devices share one
+        self._device_maps[key] = out
+        return out
+
+    def maps_read(self, devices: Iterable[int]) -> bool:
+        """Whether a read of every maps file has already collected the mappings on `devices`."""
+        return set(devices) <= self._maps_read
+
+    def also_map(self, devices: Iterable[int]) -> None:
+        """Devices whose mappings the next read of every maps file collects too (a later pass's question)."""
+        self._maps_wanted |= set(devices) - self._maps_read
+
+    def _read_device_maps(self, key: frozenset[int]) -> None:
         needles = [(dev, f" {os.major(dev):02x}:{os.minor(dev):02x} ".encode()) for dev in key]
         plain: dict[tuple[int, int], list[int]] | None = {} if self.mapped_files is None else None
-        out: dict[tuple[int, int], list[int]] = {}
+        for dev in key:
+            self._per_device[dev] = {}
         for pid in self.processes:
             if (raw := self._read_maps(pid)) is None:
                 continue
@@ -166,12 +197,12 @@ class Facts:
                 for ident in _shm_maps(raw):
                     plain.setdefault(ident, []).append(pid)
             for ident in _device_maps(raw, needles):
-                out.setdefault(ident, []).append(pid)
+                self._per_device[ident[0]].setdefault(ident, []).append(pid)
         if plain is not None:
             self.mapped_files = plain
-        self._device_maps[key] = out
+        self._maps_read |= key
+        self._maps_wanted -= key
         self._blind = None
-        return out
 
     def _read_maps(self, pid: int) -> bytes | None:
         """/proc/<pid>/maps, or None where it cannot be read.
@@ -247,6 +278,16 @@ class Facts:
         for ino in inodes:
             pids |= self.socket_holders.get(ino, set())
         return tuple(sorted(pids))
+
+    def uid_of(self, pid: int) -> int | None:
+        """The owner of a process the pass recorded, None when it did not (sight.PassView)."""
+        p = self.processes.get(pid)
+        return None if p is None else p.uid
+
+    def engine_like(self, pid: int) -> bool:
+        """Whether a process the pass recorded could be part of a deployment (sight.PassView)."""
+        p = self.processes.get(pid)
+        return p is not None and p.engine_like
 
     def blind_spots(self, uid: int) -> list[int]:
         """Engine-like processes of `uid` that we could not fully read.
@@ -335,15 +376,6 @@ def process_start_time(pid: int, proc_root: str = "/proc") -> float | None:
     return None if gone else start
 
 
-def is_kernel_thread(pid: int, proc_root: str = "/proc") -> bool:
-    """Whether `pid` is a kernel thread in this procfs (they live only in the initial PID namespace)."""
-    try:
-        raw = _read(f"{proc_root}/{pid}/stat")
-        return bool(int(raw[raw.rindex(b")") + 2:].split()[6]) & PF_KTHREAD)
-    except (OSError, ValueError, IndexError):
-        return False
-
-
 def _env_ipc_name(raw: bytes) -> str | None:
     # One search rather than splitting the whole environment: a pass reads every
     # process's, and the first KVCACHED_IPC_NAME= item is the one getenv returns.
@@ -418,15 +450,23 @@ def _status_nspids(raw: bytes, pid: int) -> tuple[int, ...]:
         return (pid,)
 
 
-def _scan_fds(fd_dir: str, shm_files: set[tuple[int, int]], sockets: set[int]) -> None:
+def _scan_fds(fd_dir: str, shm_files: set[tuple[int, int]], sockets: set[int],
+              paths: list[tuple[str, str]]) -> None:
     for fd in os.listdir(fd_dir):
         try:
             target = os.readlink(f"{fd_dir}/{fd}")
+        except PermissionError:
+            # Root without CAP_SYS_PTRACE may list another user's fd directory (DAC override) but not read
+            # a link in it: the process is unread, not empty.
+            raise
         except OSError:
             continue  # closed between listdir and readlink
         if target.startswith("socket:["):
             sockets.add(int(target[8:-1]))
-        elif "/dev/shm/" in target:  # also under a --root test tree
+        elif "/dev/shm/" not in target:
+            if target[:1] == "/":
+                paths.append((fd, target))  # a device node may sit at any path: only its number tells
+        else:  # also under a --root test tree
             try:
                 st = os.stat(f"{fd_dir}/{fd}")  # through the fd: the open file, not the path
             except OSError:
@@ -447,6 +487,7 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
     unreadable: set[str] = set()
     shm: set[tuple[int, int]] = set()
     sockets: set[int] = set()
+    paths: list[tuple[str, str]] = []
     # Straight-line reads, no helper closures: this runs once per process on the node.
     ipc_name = None
     try:
@@ -456,7 +497,7 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
             return None
         unreadable.add("environ")  # EACCES/EPERM and anything unexpected: we could not see it
     try:
-        _scan_fds(f"{base}/fd", shm, sockets)
+        _scan_fds(f"{base}/fd", shm, sockets, paths)
     except OSError as e:
         if _gone(e):
             return None
@@ -482,7 +523,8 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
     except OSError:
         return None
     return ProcessInfo(pid, start, ppid, pgid, uid, comm, cmdline, ipc_name,
-                       frozenset(sockets), frozenset(shm), ns["mnt"], ns["net"], frozenset(unreadable))
+                       frozenset(sockets), frozenset(shm), ns["mnt"], ns["net"], frozenset(unreadable),
+                       tuple(paths))
 
 
 def _gone(e: OSError) -> bool:
@@ -520,6 +562,7 @@ def gather_facts(proc_root: str = "/proc") -> Facts:
 
     facts = Facts(proc_root=proc_root, my_mnt_ns=my_ns("mnt"), my_net_ns=my_ns("net"))
     facts.hidepid = hidepid(proc_root)
+    facts.hidden_users = facts.hidepid and hides_other_users(proc_root)
     try:
         btime = _boot_time(proc_root)
         pids = [int(n) for n in os.listdir(proc_root) if n.isdigit()]

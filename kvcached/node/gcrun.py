@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from .decide import Decision
     from .engines import EnginePlan, EngineReport
     from .facts import Facts
+    from .metrics import Sink
+    from .sight import Sight
 
 
 class NoMatch(KvcachedError):
@@ -67,6 +69,7 @@ class GcOptions:
     time_limit: float | None = 300.0   # the whole run; None or 0: no bound
     kill_orphans: bool = False
     prometheus: str | None = None
+    metrics_sink: Sink | None = None   # also (or instead) serve each run's metrics there (gc --every --metrics-port)
     proc_root: str = "/proc"
     engines: bool = False              # also the engines' own leftovers (vLLM, SGLang, NCCL, CUDA)
     engine_kinds: Sequence[EngineKind] = ()  # `--kind` values of engine leftovers: only these (implies engines)
@@ -99,6 +102,8 @@ class GcResult:
     engines: EngineReport | None = None  # the engine leftovers' report, when the run judged them
     places: list[Any] | None = None    # -A: each place's PlaceResult but the host's, which is `report`/`engines`
     place_errors: list[str] = field(default_factory=list)  # -A: what could not be read while finding places
+    sight: Sight | None = None         # what the run could not see (sight.py): blind when it has reasons
+    gpu: Any = None                    # gpu.GpuReport: the GPU holders, when the run judged engines
 
 
 # (plan, the same plan as a dry run) -> remove?; None: nobody to ask (cron), so do not remove.
@@ -161,7 +166,7 @@ def check_options(opts: GcOptions) -> None:
 
 
 def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: ConfirmKill | None = None,
-           progress: Callable[[Any], None] | None = None) -> GcResult:
+           progress: Callable[[Any], None] | None = None, confirm_gpu_kill: ConfirmKill | None = None) -> GcResult:
     """Lock, plan, (kill orphans, plan again), confirm, act within the time budget, write metrics.
 
     Raises gclock.LockBusy (metrics say so first), NoMatch, BadRequest, and
@@ -183,31 +188,35 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
         try:
             lock.acquire()
         except LockBusy:
-            if opts.prometheus:
+            if opts.prometheus or opts.metrics_sink:
                 from . import metrics
 
-                metrics.write_lock_busy(opts.prometheus, wall_start, time.time())
+                metrics.write_lock_busy(opts.prometheus, wall_start, time.time(), sink=opts.metrics_sink)
             raise
     try:
         # Engine leftovers may sit where no kvcached name does (vLLM's sockets in /tmp): no shortcut then.
         if opts.engine_pass or opts.all_places or may_hold_state(opts.layout.root):
-            result = _judge_and_act(opts, started, confirm, confirm_kill, progress)
+            result = _judge_and_act(opts, started, confirm, confirm_kill, progress, confirm_gpu_kill)
         elif opts.names:
             raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
         else:
+            from .sight import assess
+
             now = time.time()
+            # No pass ran (nothing here could be ours): sight from the credentials and the /proc mount alone.
             result = GcResult(report=Report(dry_run=opts.dry_run, entries=[], errors=[], started=now, finished=now),
-                              dry_run=opts.dry_run, outcome=Outcome.CLEAN)
+                              dry_run=opts.dry_run, outcome=Outcome.CLEAN, sight=assess(opts.proc_root))
     finally:
         if lock is not None:
             lock.release()
-    if opts.prometheus:
+    if opts.prometheus or opts.metrics_sink:
         from . import metrics
 
         metrics.write_report(opts.prometheus, result.report,
                              success=result.outcome is Outcome.CLEAN and not result.dry_run,
                              orphans=len(result.orphans), started=wall_start, engines=result.engines,
-                             places=result.places)
+                             sink=opts.metrics_sink, blind=result.sight is not None and result.sight.blind,
+                             gpu=result.gpu, places=result.places)
     return result
 
 
@@ -249,7 +258,7 @@ def _any_stale(p: Plan, ep: EnginePlan | None) -> bool:
 
 
 def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, confirm_kill: ConfirmKill | None,
-                   progress: Callable[[Any], None] | None) -> GcResult:
+                   progress: Callable[[Any], None] | None, confirm_gpu: ConfirmKill | None = None) -> GcResult:
     """gc's run under the lock: plan, orphans, confirmation, the guarded act."""
     from .cleanup import execute
 
@@ -266,21 +275,34 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
             # Their segment may be named only by the processes just killed: name it explicitly.
             p = _kvcached_plan(opts, extra=sorted({d.name for d, _ in targets}))
             orphans, killable, _ = _orphans(p)
+
+    def left() -> float | None:
+        # The bound covers the whole run: planning, killing and kvcached's removals count against it.
+        return max(1e-9, opts.time_limit - (time.monotonic() - started)) if opts.time_limit else None
+
+    gpu = None
+    if opts.engine_pass:
+        from .gpu import prepare
+
+        prepare(p.facts)  # the engine pass's one read of the maps also finds GPU mappings
     pp = _places_plan(opts, p) if opts.all_places else None
-    if pp is not None:
-        ep = pp.host.engines
-    else:
-        ep = _engine_plan(opts, p) if opts.engine_pass else None
+    ep = _host_engines(opts, p, pp)
+    if opts.engine_pass:
+        from .gpu.gcstep import gpu_step
+
+        gpu, ended = gpu_step(p.facts, kill=opts.kill_orphans, yes=opts.yes, dry_run=opts.dry_run,
+                              confirm=confirm_gpu, time_limit=left(), proc_root=opts.proc_root)
+        if ended:  # what they held (their /dev/shm buffers) is judged again without them
+            killed += ended
+            p = _kvcached_plan(opts)
+            pp = _places_plan(opts, p) if opts.all_places else None
+            ep = _host_engines(opts, p, pp)
     dry = opts.dry_run
     declined = False
     # Only a question needs to know whether anything is stale: a dry run and --yes skip the pass over every entry.
     if not dry and not opts.yes and (_any_stale(p, ep) or (pp is not None and pp.any_stale())):
         dry = confirm is None or not _ask(confirm, p, ep, pp)
         declined = dry
-
-    def left() -> float | None:
-        # The bound covers the whole run: planning, killing and kvcached's removals count against it.
-        return max(1e-9, opts.time_limit - (time.monotonic() - started)) if opts.time_limit else None
 
     report = execute(p, dry_run=dry, time_limit=left(), progress=progress)
     engines = None
@@ -293,9 +315,19 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
         from .places.run import execute_places
 
         places = execute_places(pp, dry_run=dry, deadline=left, progress=progress, skip_host=True)
+    from .sight import assess
+
     return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed, engines, places or ()),
                     orphans=orphans, killable=killable, killed=killed, declined=declined, engines=engines,
-                    places=places, place_errors=list(pp.errors) if pp is not None else [])
+                    places=places, place_errors=list(pp.errors) if pp is not None else [],
+                    sight=assess(opts.proc_root, p.facts), gpu=gpu)
+
+
+def _host_engines(opts: GcOptions, p: Plan, pp: Any) -> EnginePlan | None:
+    """The host's engine plan: -A's host place's (one evidence pass for every place), else its own."""
+    if pp is not None:
+        return pp.host.engines
+    return _engine_plan(opts, p) if opts.engine_pass else None
 
 
 def _places_plan(opts: GcOptions, p: Plan) -> Any:

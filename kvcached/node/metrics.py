@@ -12,7 +12,7 @@ import re
 import stat
 import tempfile
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .cleanup import Action, Report
 from .decide import State
@@ -51,9 +51,23 @@ def _read_previous(path: str) -> str:
         os.close(fd)
 
 
+class Sink(Protocol):
+    """Somewhere besides the textfile that serves each run's metrics (kvcached.node.metrics_http's endpoint)."""
+
+    def previous(self) -> str:
+        """The body it serves now ('' before the first run)."""
+
+    def publish(self, body: str) -> None:
+        """Serve `body` from now on."""
+
+
 def previous_value(path: str, metric: str) -> float | None:
     """The value of an unlabelled `metric` in an existing textfile (to carry the last success across failed runs)."""
-    for line in _read_previous(path).splitlines():
+    return _value_in(_read_previous(path), metric)
+
+
+def _value_in(text: str, metric: str) -> float | None:
+    for line in text.splitlines():
         m = _SAMPLE_RE.match(line)
         if m and m.group(1) == metric and not m.group(2):
             try:
@@ -77,14 +91,16 @@ def _metric(lines: list[str], name: str, kind: str, help_: str, samples: Samples
 
 
 def render(report: Report, *, success: bool, orphans: int = 0, last_success: float | None = None,
-           started: float | None = None, engines: EngineReport | None = None,
+           started: float | None = None, engines: EngineReport | None = None, blind: bool | None = None,
            places: Sequence[PlaceResult] | None = None) -> str:
     """The textfile body for one run; `started` (default: the report's) times the whole run.
 
     With `engines` (a run that also judged the engines' leftovers), their
-    counts and bytes by engine and state follow (render_engines); with
-    `places` (gc -A: every place but the host's), what is left by place kind
-    (render_places). The counts above stay the host's.
+    counts and bytes by engine and state follow (render_engines). `blind`:
+    whether the run could not see every process (sight.py); None writes no
+    `kvctl_gc_blind` (a caller that did not ask). With `places` (gc -A:
+    every place but the host's), what is left by place kind (render_places);
+    the counts above stay the host's.
     """
     lines: list[str] = []
 
@@ -102,6 +118,10 @@ def render(report: Report, *, success: bool, orphans: int = 0, last_success: flo
     metric("orphaned_processes", "gauge", "Orphaned kvcached processes seen by the last run.", [({}, orphans)])
     metric("lock_busy", "gauge", _HELP["lock_busy"], [({}, 0)])  # this run held the lock (write_lock_busy)
     metric("timed_out", "gauge", "1 when the last run hit its time limit.", [({}, int(report.timed_out))])
+    if blind is not None:
+        # 1 is an alert, not a state to live with: a blind run keeps what it cannot judge, forever (sight.py).
+        metric("blind", "gauge", "1 when the last run could not read every process (no hostPID, hidepid, not "
+               "root, a security module): what they may own was kept as unknown.", [({}, int(blind))])
     begun = report.started if started is None else started
     metric("duration_seconds", "gauge", _HELP["duration_seconds"], [({}, round(report.finished - begun, 6))])
     metric("last_run_timestamp_seconds", "gauge", _HELP["last_run_timestamp_seconds"],
@@ -232,19 +252,43 @@ def write_textfile(path: str, body: str) -> None:
         raise
 
 
-def write_report(path: str, report: Report, *, success: bool, orphans: int = 0,
-                 started: float | None = None, engines: EngineReport | None = None,
-                 places: Sequence[PlaceResult] | None = None) -> None:
-    """Render and write one run's metrics, keeping the previous last-success time when this run failed."""
-    last = previous_value(path, f"{PREFIX}_last_success_timestamp_seconds")
-    write_textfile(path, render(report, success=success, orphans=orphans, last_success=last, started=started,
-                                engines=engines, places=places))
+def _previous_text(path: str | None, sink: Sink | None) -> str:
+    """The last run's metrics: the sink's once it has served a run (it gets each body first), else the textfile's.
+
+    The textfile outlives the process, so a new loop's first run carries the
+    last success of the one before it.
+    """
+    previous = sink.previous() if sink is not None else ""
+    return previous or (_read_previous(path) if path else "")
+
+
+def _put(path: str | None, sink: Sink | None, body: str) -> None:
+    if sink is not None:  # first: a textfile that cannot be written must not leave the endpoint a run behind
+        sink.publish(body)
+    if path:
+        write_textfile(path, body)
+
+
+def write_report(path: str | None, report: Report, *, success: bool, orphans: int = 0,
+                 started: float | None = None, engines: EngineReport | None = None, sink: Sink | None = None,
+                 blind: bool | None = None, gpu: Any = None, places: Sequence[PlaceResult] | None = None) -> None:
+    """Render one run's metrics to the textfile `path` and/or `sink`, keeping the last success of failed runs.
+
+    `gpu` (a gpu.GpuReport, from runs that judged engines) adds the GPU holders' metrics."""
+    last = _value_in(_previous_text(path, sink), f"{PREFIX}_last_success_timestamp_seconds")
+    body = render(report, success=success, orphans=orphans, last_success=last, started=started, engines=engines,
+                  blind=blind, places=places)
+    if gpu is not None:
+        from .gpu.metrics import render_gpu
+
+        body += render_gpu(gpu)
+    _put(path, sink, body)
 
 
 _RUN_METRICS = {f"{PREFIX}_{m}": m for m in ("lock_busy", "duration_seconds", "last_run_timestamp_seconds")}
 
 
-def write_lock_busy(path: str, started: float, finished: float) -> None:
+def write_lock_busy(path: str | None, started: float, finished: float, *, sink: Sink | None = None) -> None:
     """A run that found the lock busy: say so, and keep every count the last real run wrote.
 
     Writing zeros would tell an alert on `kvctl_gc_stale_entries` that the node
@@ -254,7 +298,7 @@ def write_lock_busy(path: str, started: float, finished: float) -> None:
               "last_run_timestamp_seconds": round(finished, 3)}
     seen: set[str] = set()
     lines: list[str] = []
-    for line in _read_previous(path).splitlines():
+    for line in _previous_text(path, sink).splitlines():
         m = _SAMPLE_RE.match(line)
         if m and m.group(1) in _RUN_METRICS and not m.group(2):
             short = _RUN_METRICS[m.group(1)]
@@ -265,7 +309,7 @@ def write_lock_busy(path: str, started: float, finished: float) -> None:
         if short not in seen:
             full = f"{PREFIX}_{short}"
             lines += [f"# HELP {full} {_HELP[short]}", f"# TYPE {full} gauge", f"{full} {_number(values[short])}"]
-    write_textfile(path, "\n".join(lines) + "\n")
+    _put(path, sink, "\n".join(lines) + "\n")
 
 
 _HELP = {"lock_busy": "1 when the last run found another gc holding the lock.",

@@ -55,6 +55,11 @@ def _pidfd(proc: ProcessInfo, proc_root: str) -> tuple[int | None, KillResult | 
     return fd, None
 
 
+def pidfd_checked(proc: ProcessInfo, proc_root: str = "/proc") -> tuple[int | None, KillResult | None]:
+    """A pidfd for `proc` checked against its start time, or the result that says why there is none."""
+    return _pidfd(proc, proc_root)
+
+
 def terminate(procs: Sequence[ProcessInfo], *, grace: float = 5.0, proc_root: str = "/proc") -> list[KillResult]:
     """SIGTERM each process, wait up to `grace` seconds for all, SIGKILL the rest; never a reused PID."""
     results: dict[int, KillResult] = {}

@@ -13,17 +13,28 @@ app = typer_app()
 
 
 def _render(out: Out, results: list[Any], *, ok: bool, strict: bool) -> None:
-    """A line per check under its group's heading, its fix below a warning or failure, then the counts."""
+    """A line per check under its group's heading, its fix below a warning or failure, then the counts.
+
+    A line with `under` (an engine's patches, conditions, hazards) is indented
+    below the line it names; a run of such lines sharing a fix shows it once,
+    after the last of them.
+    """
     from kvcached.node.diagnostics import Status
 
+    bad = (Status.WARN, Status.FAIL)
     group = None
-    width = max((len(r.name) for r in results), default=0)
-    for r in results:
+    width = max((len(r.name) + (2 if r.under else 0) for r in results), default=0)
+    for i, r in enumerate(results):
         if r.group is not group:
             group = r.group
             out.line((str(group), "bold"))
-        out.line(state_cell(r.status), " " * (5 - len(r.status)), r.name.ljust(width), "  ", r.summary, indent=2)
-        if r.fix and r.status in (Status.WARN, Status.FAIL):
+        pad = 2 if r.under else 0
+        out.line(state_cell(r.status), " " * (5 - len(r.status)), r.name.ljust(width - pad), "  ", r.summary,
+                 indent=2 + pad)
+        after = results[i + 1] if i + 1 < len(results) else None
+        shared = (after is not None and r.under and after.under == r.under and after.fix == r.fix
+                  and after.status in bad)
+        if r.fix and r.status in bad and not shared:
             out.line(" " * (7 + width), ("fix: ", "bold"), r.fix, indent=2)
     counts = {s: sum(r.status is s for r in results) for s in Status}
     out.line(

@@ -1,5 +1,6 @@
 """`kvctl gc`: remove what every signal proves dead and older than --min-age; report the rest and why."""
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Optional
 
 import typer
@@ -83,14 +84,25 @@ def _run(opts: Any, out: Out, run: Globals, json_out: bool) -> Any:
         from ..progress import Progress
 
         with Progress() as progress:
-            return run_gc(opts, confirm=confirm, confirm_kill=_confirm_kill, progress=progress)
-    return run_gc(opts, confirm=confirm, confirm_kill=_confirm_kill)
+            return run_gc(opts, confirm=confirm, confirm_kill=_confirm_kill, progress=progress,
+                          confirm_gpu_kill=_confirm_gpu_kill)
+    return run_gc(opts, confirm=confirm, confirm_kill=_confirm_kill, confirm_gpu_kill=_confirm_gpu_kill)
+
+
+def _confirm_gpu_kill(holders: list[Any]) -> bool:
+    from ..render_gpu import confirm_text
+
+    return interactive() and typer.confirm(confirm_text(holders), default=False, err=True)
 
 
 def _orphan_lines(out: Out, run: Globals, result: Any, min_age: float) -> None:
     """What happened to orphans killed, or how to kill the ones found."""
     for k in result.killed:
         out.line(f"orphan PID {k.pid}: {k.outcome}" + (f" ({k.detail})" if k.detail else ""))
+    if result.gpu is not None:
+        from ..render_gpu import gc_lines
+
+        gc_lines(out, result.gpu, result.killed, run.hinter(min_age))
     if result.orphans and not result.killed:
         hint = run.hinter(min_age)
         for d, o in result.orphans:
@@ -114,6 +126,27 @@ def _engine_hint(run: Globals, result: Any, min_age: float) -> None:
              f"not judged by plain gc: {run.hinter(min_age)('gc --engines')} removes the dead ones")
 
 
+def _blind_line(result: Any) -> str | None:
+    """What a blind run says (kvcached.node.sight): each cause, and that it kept what it could not judge."""
+    sight = result.sight
+    if sight is None or not sight.blind:
+        return None
+    causes = ", ".join(str(r.cause) for r in sight.reasons)
+    return (f"blind ({causes}): {sight.summary()}; what those processes may own is kept as unknown "
+            f"(kvctl doctor sight names each fix)")
+
+
+def _closing_lines(out: Out, run: Globals, result: Any, min_age: float, *, json_out: bool,
+                   names: Optional[list[str]]) -> None:
+    """After the report: whether the run was blind (stderr, every path), then orphans and the engine hint (text)."""
+    if (blind := _blind_line(result)) is not None:
+        log_line(f"kvctl gc: {blind}", "warning")  # cron's log and --json readers see it too
+    if not json_out:
+        _orphan_lines(out, run, result, min_age)
+        if result.engines is None and not names:
+            _engine_hint(run, result, min_age)
+
+
 def _run_line(result: Any, code: int) -> tuple[str, str]:
     """--every's line for one run, and its log level."""
     line = f"kvctl gc: {summary_line(result.report)[4:]}"
@@ -125,7 +158,9 @@ def _run_line(result: Any, code: int) -> tuple[str, str]:
         from ..render_places import places_summary_line
 
         line += f"; {places_summary_line(result)}"
-    level = "error" if code in (Exit.ERROR, Exit.PARTIAL_FAILURE) else "warning" if code else "info"
+    blind = _blind_line(result)
+    line += f"; {blind}" if blind else ""
+    level = "error" if code in (Exit.ERROR, Exit.PARTIAL_FAILURE) else "warning" if code or blind else "info"
     return f"{line} (exit {code})", level
 
 
@@ -152,8 +187,45 @@ def _one_run(opts: Any, run: Globals, json_out: bool) -> int:
     return int(code)
 
 
-def _every(every: float, opts: Any, run: Globals, json_out: bool) -> int:
+@dataclass(frozen=True)
+class LoopOpts:
+    """What only --every takes: the heartbeat file, and the metrics endpoint's address."""
+
+    heartbeat: str | None = None
+    metrics_port: int | None = None
+    metrics_address: str = "127.0.0.1"
+
+
+def _loop_opts(every: float | None, max_age: float | None, loop: LoopOpts) -> LoopOpts:
+    """`loop`, unless it was given without --every (or --max-age without --check-heartbeat): a usage error."""
+    if every is None and (loop != LoopOpts() or max_age is not None):
+        raise CliError("--heartbeat, --metrics-port and --metrics-address go with --every; --max-age with "
+                       "--check-heartbeat", Exit.USAGE)
+    return loop
+
+
+def _after_each_run(heartbeat: str | None) -> Any:
+    """--every's heartbeat after each run: written, or the failure said and the loop goes on (the probe decides)."""
+    if heartbeat is None:
+        return None
+    from kvcached.node.heartbeat import HeartbeatError, Recorder
+
+    recorder = Recorder(heartbeat)
+
+    def after(code: int) -> None:
+        try:
+            recorder.record(code)
+        except HeartbeatError as e:
+            log_line(f"kvctl gc: {e}", "error")
+
+    return after
+
+
+def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts) -> int:
     """gc --every: refuse what could never act, then one run after another until SIGTERM or SIGINT."""
+    from contextlib import ExitStack
+    from dataclasses import replace
+
     from kvcached import settings
     from kvcached.node.gcrun import check_options
 
@@ -167,8 +239,75 @@ def _every(every: float, opts: Any, run: Globals, json_out: bool) -> int:
         raise CliError("--every runs unattended: give --yes (remove what is provably dead) or --dry-run "
                        "(only report)", Exit.USAGE)
     check_options(opts)
-    with Stop() as stop:
-        return run_every(every, lambda: _one_run(opts, run, json_out), stop)
+    if loop.heartbeat is not None:
+        from kvcached.node.heartbeat import check_target
+
+        check_target(loop.heartbeat)  # before any run: a probe must not be the first to find out
+    with ExitStack() as stack:
+        if loop.metrics_port is not None:
+            from kvcached.node.metrics_http import MetricsServer
+
+            server = stack.enter_context(MetricsServer(loop.metrics_address, loop.metrics_port))
+            host, port = server.address
+            log_line(f"kvctl gc: serving the last run's metrics on http://{host}:{port}/metrics", "info")
+            opts = replace(opts, metrics_sink=server)
+        stop = stack.enter_context(Stop())
+        return run_every(every, lambda: _one_run(opts, run, json_out), stop, after=_after_each_run(loop.heartbeat))
+
+
+def _check_heartbeat(ctx: typer.Context, path: str, max_age: float | None) -> int:
+    """gc --check-heartbeat: a liveness probe's question, answered from the file alone (no gc, no lock, no /proc)."""
+    from kvcached.node.heartbeat import check
+
+    # By the source's name: typer may bring its own copy of click, whose ParameterSource is another class.
+    given = [p for p in ctx.command.params if p.name not in ("check_heartbeat", "max_age")
+             and not getattr(p, "hidden", False)  # the global options after the command's name
+             and getattr(ctx.get_parameter_source(p.name), "name", "DEFAULT") != "DEFAULT"]
+    if given:
+        shown = " ".join(p.opts[-1] if p.opts and p.opts[-1].startswith("-") else "NAME" for p in given)
+        raise CliError(f"--check-heartbeat only reads the heartbeat: it takes --max-age and no other gc option "
+                       f"(given: {shown})", Exit.USAGE)
+    if max_age is None:
+        raise CliError("--check-heartbeat needs --max-age AGE (more than --every's DURATION x 1.1 plus its "
+                       "--time-limit)", Exit.USAGE)
+    verdict = check(path, max_age)
+    if not verdict.fresh:
+        raise CliError(verdict.reason, Exit.UNHEALTHY)
+    Out().line(f"ok: {verdict.reason}")
+    return int(Exit.OK)
+
+
+# What only the agent's loop (--every) and its probe take; declared here to keep gc's signature readable.
+HeartbeatOpt = Annotated[
+    Optional[str],
+    typer.Option("--heartbeat", metavar="FILE",
+                 help="With --every: after every run, rewrite FILE (atomically) with when it finished and its "
+                 "exit code, for --check-heartbeat."),
+]
+CheckHeartbeatOpt = Annotated[
+    Optional[str],
+    typer.Option("--check-heartbeat", metavar="FILE",
+                 help="Run no gc: exit 0 when the last run recorded in FILE (by --heartbeat) finished at most "
+                 "--max-age ago, 8 when longer or when FILE holds no heartbeat (a liveness probe)."),
+]
+MaxAgeOpt = Annotated[
+    Optional[float],
+    typer.Option("--max-age", parser=parse_duration, metavar="AGE",
+                 help="With --check-heartbeat: the oldest last run that passes; give more than --every's "
+                 "DURATION x 1.1 plus its --time-limit."),
+]
+MetricsPortOpt = Annotated[
+    Optional[int],
+    typer.Option("--metrics-port", metavar="PORT", min=1, max=65535,
+                 help="With --every: serve the last run's metrics (the --prometheus text) over HTTP at "
+                 "/metrics on PORT, for Prometheus to scrape (default: no endpoint)."),
+]
+MetricsAddressOpt = Annotated[
+    str,
+    typer.Option("--metrics-address", metavar="ADDRESS", show_default="127.0.0.1",
+                 help="With --metrics-port: the address to listen on (0.0.0.0: every interface, as a pod "
+                 "needs)."),
+]
 
 
 def _declined(run: Globals, opts: Any, result: Any, min_age: float) -> None:
@@ -248,8 +387,9 @@ def gc(
     kill_orphans: Annotated[
         bool,
         typer.Option("--kill-orphans", metavar="",
-                     help="Terminate orphaned workers of deployments whose engine is confirmed gone "
-                     "(asks first unless --yes)."),
+                     help="Terminate orphaned workers of deployments whose engine is confirmed gone; with "
+                     "--engines also orphaned engine processes that hold a GPU (docs/GPU.md). Asks first "
+                     "unless --yes."),
     ] = False,
     every: Annotated[
         Optional[float],
@@ -259,11 +399,19 @@ def gc(
     ] = None,
     all_places: AllPlaces = False,
     kubelet_dir: KubeletDir = None,
+    heartbeat: HeartbeatOpt = None,
+    check_heartbeat: CheckHeartbeatOpt = None,
+    max_age: MaxAgeOpt = None,
+    metrics_port: MetricsPortOpt = None,
+    metrics_address: MetricsAddressOpt = "127.0.0.1",
     json_out: JsonGc = False,
 ) -> int:
     """Remove stale kvcached state: only what every signal proves dead and older than --min-age."""
     from kvcached.node.gcrun import GcOptions
 
+    if check_heartbeat is not None:
+        return _check_heartbeat(ctx, check_heartbeat, max_age)
+    loop = _loop_opts(every, max_age, LoopOpts(heartbeat, metrics_port, metrics_address))
     run = globals_of(ctx)
     out = Out()
     chosen = [NODE_KIND[k] for k in kinds or ()]
@@ -273,7 +421,7 @@ def gc(
                      engines=engines, engine_kinds=tuple(k for k in chosen if isinstance(k, EngineKind)),
                      all_places=all_places, kubelet_dir=kubelet_dir)
     if every is not None:
-        return _every(every, opts, run, json_out)
+        return _every(every, opts, run, json_out, loop)
     result = _run(opts, out, run, json_out)
     code = exit_of(result.outcome)
     if kill_orphans and not dry_run and not yes and not result.killed and result.killable:
@@ -286,8 +434,5 @@ def gc(
         _show(out, run, result)
     if not out.terminal and not result.dry_run:
         _log(result)  # cron sends stdout to /dev/null: problems and the summary go to stderr
-    if not json_out:
-        _orphan_lines(out, run, result, min_age)
-        if result.engines is None and not names:
-            _engine_hint(run, result, min_age)
+    _closing_lines(out, run, result, min_age, json_out=json_out, names=names)
     return code

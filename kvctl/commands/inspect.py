@@ -42,9 +42,13 @@ def inspect(
     view = run.view(names or (), min_age, namespaces=True, layout=layout)
     if names and not view.deployments:
         raise CliError(f"no deployment matches {' '.join(names)}", Exit.NOT_FOUND)
+    from kvcached.node.gpu import find_holders, prepare
+
+    prepare(view.facts)  # the engine pass's read of the maps also finds GPU mappings
     engines = [] if names else _engine_state(view, min_age)  # they belong to no deployment a NAME selects
+    gpu = find_holders(view.facts)
     if json_out:
-        emit_json(inspect_document(view, pid, engines))
+        emit_json(inspect_document(view, pid, engines, gpu))
         return Exit.OK
     out = Out()
     render_view(out, view, now=time.time(), hint=run.hinter(min_age))
@@ -53,27 +57,41 @@ def inspect(
 
         out.blank()
         render_engine_view(out, engines, hint=run.hinter(min_age))
+    if gpu.holders:
+        from ..render_gpu import render_gpu_holders
+
+        out.blank()
+        render_gpu_holders(out, gpu, hint=run.hinter(min_age))
     return Exit.OK
 
 
 def _all_places(run: Any, names: list[str], min_age: float, kubelet_dir: Optional[str], json_out: bool) -> int:
     """inspect -A: the host, then every other place, each with its deployments and engine leftovers."""
+    from kvcached.node.gpu import find_holders, prepare
     from kvcached.node.places.run import plan_places, view_places
     from kvcached.node.view import build_view
 
     p = run.plan(names, min_age)
     view = build_view(p, namespaces=False)
+    prepare(p.facts)  # the places' one read of the maps also finds GPU mappings
     pp = plan_places(p.layout, p.policy, p.facts, engines=not names, kubelet_dir=kubelet_dir, host_plan=p,
                      now=p.now, names=names)
     places = view_places(pp, view)
     if names and not any(pv.view is not None and pv.view.deployments for pv in places):
         raise CliError(f"no deployment matches {' '.join(names)} in any place", Exit.NOT_FOUND)
+    gpu = find_holders(p.facts)
     if json_out:
-        emit_json(inspect_document(view, None, places[0].engines, places))
+        emit_json(inspect_document(view, None, places[0].engines, gpu=gpu, places=places))
         return Exit.OK
     from ..render_places import render_places_view
 
-    render_places_view(Out(), places, now=time.time(), hint=run.hinter(min_age))
+    out = Out()
+    render_places_view(out, places, now=time.time(), hint=run.hinter(min_age))
+    if gpu.holders:
+        from ..render_gpu import render_gpu_holders
+
+        out.blank()
+        render_gpu_holders(out, gpu, hint=run.hinter(min_age))
     return Exit.OK
 
 

@@ -13,7 +13,8 @@ from .conftest import KVCTL, REPO, SCHEMAS
 from .test_commands import COMMANDS
 
 HEAVY = {"torch", "vllm", "numpy", "kvcached.runtime._kvpages", "kvcached.runtime", "kvcached.integration",
-         "pydantic"}  # pydantic: typer 0.29's coercion, which kvctl/typer_adapter.py avoids (bench/bench_cli_start.py)
+         "pydantic",  # typer 0.29's coercion, which kvctl/typer_adapter.py avoids (bench/bench_cli_start.py)
+         "pynvml", "kvcached.node.gpu"}  # NVML: only inside a GPU-holder pass that found an NVIDIA holder
 
 
 def imported(*args: str) -> set[str]:

@@ -324,6 +324,40 @@ def test_doctor(layout, uniq: str) -> None:
     assert r.code == 8 and r.json("doctor")["checks"][0]["status"] == "fail"
 
 
+def test_doctor_says_an_engines_fix_once_and_lists_its_patches_under_it() -> None:
+    """Any engine kvcached is not switched on for (this one made up: doctor knows engines only from the document):
+    one fix line for the engine, its six patches indented below it, a run of conditions' shared fix shown once."""
+    import io
+
+    from kvcached.node.detectdoc import Condition, EngineSection, PatchReport, PatchStatus, Plugin
+    from kvcached.node.diagnostics import engine_results, healthy
+    from kvctl.commands.doctor import _render
+    from kvctl.render import Out
+
+    enable = "export ACME_SWITCH=1 (Acme's own switch)"
+    plugin = Plugin.of(enabled=False, allowed=True, allow_list_var="ACME_PLUGINS", allow_list=None, listed=[],
+                       label="Acme", enable=enable)
+    section = EngineSection(version="1.0", error=None, label="Acme", plugin=plugin,
+                            patches=tuple(PatchReport(name=f"p{i}", status=PatchStatus.READY, reason="hooks it")
+                                          for i in range(6)),
+                            conditions=(Condition(name="c1", present=True, detail="leaks"),
+                                        Condition(name="c2", present=True, detail="leaks too")))
+    results = engine_results("acme", section, kvctl="kvctl --root /r")
+    buf = io.StringIO()
+    _render(Out(buf, styled=False, terminal=False), results, ok=healthy(results), strict=False)
+    text = buf.getvalue()
+    assert text.count(enable) == 1 and text.count("kvctl --root /r gc --yes") == 1, text
+    lines = text.splitlines()
+    assert lines[1].startswith("  warn acme ") and enable in lines[2]
+    assert [ln.split()[1] for ln in lines[3:9]] == [f"acme-patch:p{i}" for i in range(6)]
+    assert all(ln.startswith("    warn acme-patch:") for ln in lines[3:9])  # listed under the engine's line
+    assert lines[9].startswith("    warn acme:c1") and lines[10].startswith("    warn acme:c2")
+    assert "gc --yes" in lines[11] and lines[11].index("fix: ") == lines[2].index("fix: ")
+    doc = [r.to_dict() for r in results]
+    assert [c["name"] for c in doc if c["fix"] and enable in c["fix"]] == ["acme"]
+    assert all(c["under"] == "acme" for c in doc[1:]) and doc[0]["under"] is None
+
+
 def test_demo(root: str) -> None:
     r = kvctl("--root", root, "demo", "--json", timeout=120)
     doc = r.json("demo")

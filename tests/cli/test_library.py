@@ -124,10 +124,17 @@ def test_a_planted_link_at_the_lock_path_is_refused(layout) -> None:
 
 
 def test_doctor_names_ray_backed_vllm_processes() -> None:
-    """Ray is not covered: doctor warns about Ray-backed vLLM processes it finds, and notes Ray merely installed."""
+    """Ray is not covered: doctor warns about Ray-backed vLLM processes it finds, and notes Ray merely installed.
+
+    What such a process looks like is the vLLM integration's (the `ray` hazard of its detect section); doctor
+    reads it from the document and matches it against the node's processes.
+    """
+    import json
     from types import SimpleNamespace
 
-    from kvcached.node.diagnostics import Status, ray_results, ray_serves
+    from kvcached.integration.vllm.detect import RAY_PROCESSES, ray_hazard
+    from kvcached.node.detectdoc import DetectDocument, EngineSection, Plugin, parse
+    from kvcached.node.diagnostics import Status, engine_results
 
     procs = [
         SimpleNamespace(pid=10, cmdline=("vllm", "serve", "m", "--distributed-executor-backend", "ray")),
@@ -137,9 +144,19 @@ def test_doctor_names_ray_backed_vllm_processes() -> None:
         SimpleNamespace(pid=14, cmdline=("ray::IDLE",)),
         SimpleNamespace(pid=15, cmdline=()),
     ]
-    assert ray_serves(procs) == [10, 11, 12]
-    (warn,) = ray_results(True, [10, 11])
+    assert [p.pid for p in procs if RAY_PROCESSES.matches(p.cmdline)] == [10, 11, 12]
+
+    def ray_results(installed: bool, processes: list) -> list:
+        section = EngineSection(version="0.33.0", error=None, plugin=Plugin(enabled=True, allowed=True),
+                                label="vLLM", hazards=(ray_hazard(installed),))
+        doc = parse(json.loads(json.dumps(DetectDocument(engines={"vllm": section}).to_dict())))
+        return [r for r in engine_results("vllm", doc.engines["vllm"], processes) if r.name == "vllm-ray"]
+
+    (warn,) = ray_results(True, procs[:2])
     assert warn.status is Status.WARN and "PID 10, 11" in warn.summary and "not covered" in warn.summary
+    assert warn.details["pids"] == [10, 11] and warn.under == "vllm" and "gc --yes" in (warn.fix or "")
+    (warn,) = ray_results(False, procs)  # a Ray-backed serve of another install: found all the same
+    assert warn.status is Status.WARN and warn.details["pids"] == [10, 11, 12]
     (note,) = ray_results(True, [])
     assert note.status is Status.SKIP and "not covered" in note.summary
     assert ray_results(False, []) == []

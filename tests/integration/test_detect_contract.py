@@ -22,6 +22,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from kvcached.integration.vllm.detect import LABEL, RAY_PROCESSES, plugin, ray_hazard
 from kvcached.node.detectdoc import (
     SCHEMA,
     Condition,
@@ -30,10 +31,9 @@ from kvcached.node.detectdoc import (
     EngineSection,
     PatchReport,
     PatchStatus,
-    Plugin,
     parse,
 )
-from kvcached.node.diagnostics import Context, Status, check_vllm, vllm_results
+from kvcached.node.diagnostics import Context, Status, check_engines, engine_results
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_FILE = REPO / "kvcached" / "schemas" / "detect.json"
@@ -45,8 +45,8 @@ def schema() -> dict[str, Any]:
 
 def section(**over: Any) -> EngineSection:
     fields: dict[str, Any] = dict(
-        version="0.33.0", error=None,
-        plugin=Plugin(enabled=False, allowed=True, allow_list_var="VLLM_PLUGINS", allow_list=None),
+        version="0.33.0", error=None, label=LABEL,
+        plugin=plugin({}),  # as the vLLM integration reports it where kvcached is not switched on
         patches=(
             PatchReport(name="owner_cleanup", status=PatchStatus.READY, reason="shape found", targets=("x",)),
             PatchReport(name="lmcache_shutdown", status=PatchStatus.NOT_NEEDED, reason="already forwards"),
@@ -59,7 +59,8 @@ def section(**over: Any) -> EngineSection:
             Condition(name="sigterm_reset_before_teardown", present=True, detail=""),
             Condition(name="lmcache_shutdown_not_forwarded", present=None, detail="cannot inspect"),
         ),
-        facts={"ray_installed": False},
+        facts={"ray_installed": True},
+        hazards=(ray_hazard(True),),
     )
     fields.update(over)
     return EngineSection(**fields)
@@ -121,6 +122,16 @@ MALFORMED = {
     "present a string": (_set((*V, "conditions", 0, "present"), "yes"), "engines.vllm.conditions[0].present"),
     "fact a number": (_set((*V, "facts", "ray_installed"), 1), "engines.vllm.facts.ray_installed"),
     "version a number": (_set((*V, "version"), 0.33), "engines.vllm.version: expected a string"),
+    "label a number": (_set((*V, "label"), 1), "engines.vllm.label: expected a string"),
+    "plugin fix a list": (_set((*V, "plugin", "fix"), ["export X=1"]), "engines.vllm.plugin.fix: expected a string"),
+    "hazards an object": (_set((*V, "hazards"), {"ray": {}}), "engines.vllm.hazards: expected an array"),
+    "hazard without summary": (_drop((*V, "hazards", 0, "summary")), "engines.vllm.hazards[0]: missing summary"),
+    "hazard present null": (_set((*V, "hazards", 0, "present"), None), "engines.vllm.hazards[0].present"),
+    "unknown hazard key": (_set((*V, "hazards", 0, "severity"), "warn"), "engines.vllm.hazards[0]: unknown key"),
+    "option not a pair": (_set((*V, "hazards", 0, "processes", "options", 0), ["--ray"]),
+                          "engines.vllm.hazards[0].processes.options[0]: expected [option, value]"),
+    "prefix not a string": (_set((*V, "hazards", 0, "processes", "argv0_prefixes"), [None]),
+                            "engines.vllm.hazards[0].processes.argv0_prefixes[0]"),
 }
 
 
@@ -153,14 +164,14 @@ def printing(tmp_path: Path, out: str, code: int = 0) -> str:
 
 
 def doctor(layout, python: str) -> list[Any]:
-    return check_vllm(Context(layout, python=python, environ=dict(os.environ), timeout=60))
+    return check_engines(Context(layout, python=python, environ=dict(os.environ), timeout=60))
 
 
 def test_a_malformed_document_fails_with_where_and_a_fix(layout, tmp_path) -> None:
     doc = full()
     doc["engines"]["vllm"]["patches"][0]["status"] = "active"
     (line,) = doctor(layout, printing(tmp_path, json.dumps(doc)))
-    assert line.status is Status.FAIL and line.name == "vllm"
+    assert line.status is Status.FAIL and line.name == "engines"  # the entry failed, not an engine: one line
     assert line.summary.startswith("kvcached.integration.detect printed a malformed document: "
                                    "engines.vllm.patches[0].status: 'active' is not one of")
     assert line.fix and "install the same kvcached" in line.fix
@@ -187,8 +198,8 @@ def test_without_vllm_the_real_entry_prints_an_empty_document_and_doctor_skips(l
     data = json.loads(out.stdout)
     jsonschema.validate(data, schema())
     assert data == {"schema": SCHEMA, "engines": {}}
-    (line,) = doctor(layout, python)
-    assert line.status is Status.SKIP and line.summary == "vLLM is not installed here"
+    (line,) = doctor(layout, python)  # no section, so no engine name: doctor knows engines from the document only
+    assert line.status is Status.SKIP and line.summary == "no engine kvcached integrates with is installed here"
 
 
 def test_a_good_document_becomes_doctor_lines(layout, tmp_path) -> None:
@@ -201,7 +212,7 @@ def test_a_good_document_becomes_doctor_lines(layout, tmp_path) -> None:
 
 
 def test_doctor_lines_from_the_vllm_section() -> None:
-    lines = {r.name: r for r in vllm_results(section())}
+    lines = {r.name: r for r in engine_results("vllm", section())}
     assert lines["vllm"].status is Status.WARN and "0.33.0" in lines["vllm"].summary
     assert "ENABLE_KVCACHED=true" in (lines["vllm"].fix or "")
     assert lines["vllm-patch:owner_cleanup"].status is Status.WARN  # ready, but kvcached is not enabled
@@ -213,16 +224,104 @@ def test_doctor_lines_from_the_vllm_section() -> None:
     assert lines["vllm-patch:elastic_kv"].status is Status.SKIP and "off" in lines["vllm-patch:elastic_kv"].summary
     assert lines["vllm:shutdown_timeout_zero"].status is Status.WARN
     assert lines["vllm:lmcache_shutdown_not_forwarded"].status is Status.WARN
-    on = section(plugin=Plugin(enabled=True, allowed=True, allow_list_var="VLLM_PLUGINS", allow_list=None))
-    lines = {r.name: r for r in vllm_results(on)}
+    on = section(plugin=plugin({"ENABLE_KVCACHED": "true"}))
+    lines = {r.name: r for r in engine_results("vllm", on)}
     assert lines["vllm"].status is Status.OK and lines["vllm-patch:owner_cleanup"].status is Status.OK
     assert lines["vllm:shutdown_timeout_zero"].status is Status.OK
     assert "work around" in lines["vllm:shutdown_timeout_zero"].summary
-    assert vllm_results(section(error="vLLM not importable"))[0].status is Status.WARN
+    assert engine_results("vllm", section(error="vLLM not importable"))[0].status is Status.WARN
 
 
 def test_an_allow_list_without_kvcached_names_the_fix() -> None:
-    off = section(plugin=Plugin(enabled=True, allowed=False, allow_list_var="VLLM_PLUGINS", allow_list="lora"))
-    lines = {r.name: r for r in vllm_results(off)}
+    off = section(plugin=plugin({"ENABLE_KVCACHED": "true", "VLLM_PLUGINS": "lora"}))
+    lines = {r.name: r for r in engine_results("vllm", off)}
     assert lines["vllm"].status is Status.WARN and "VLLM_PLUGINS excludes it" in lines["vllm"].summary
     assert (lines["vllm-plugins"].fix or "").startswith("export VLLM_PLUGINS=lora,kvcached")
+
+
+def test_a_document_without_the_later_fields_still_reads(layout, tmp_path) -> None:
+    """label, plugin.fix and hazards came later: an older kvcached's document is valid, and doctor still judges it."""
+    doc = full()
+    eng = doc["engines"]["vllm"]
+    del eng["label"], eng["hazards"], eng["plugin"]["fix"]
+    jsonschema.validate(doc, schema())
+    read = parse(doc).engines["vllm"]
+    assert (read.label, read.hazards, read.plugin.fix) == (None, (), None)
+    lines = {r.name: r for r in doctor(layout, printing(tmp_path, json.dumps(doc)))}
+    assert lines["vllm"].status is Status.WARN and lines["vllm"].summary.startswith("vllm 0.33.0 installed")
+    assert lines["vllm"].fix  # a generic one: the document does not say how this engine is switched on
+    assert "vllm-ray" not in lines
+
+
+def _fixes(lines: list[Any], text: str) -> list[str]:
+    return [r.name for r in lines if text in (r.fix or "")]
+
+
+def test_what_makes_kvcached_active_is_said_once_for_the_engine() -> None:
+    """Not enabled: the engine's line has the fix; its inactive patches are listed under it, with none of their own."""
+    lines = engine_results("vllm", section(), kvctl="kvctl --root /r")
+    by = {r.name: r for r in lines}
+    assert _fixes(lines, "ENABLE_KVCACHED=true") == ["vllm"]
+    assert lines[0].name == "vllm" and lines[0].under is None
+    assert all(r.under == "vllm" for r in lines[1:])
+    inactive = by["vllm-patch:owner_cleanup"]
+    assert inactive.status is Status.WARN and inactive.fix is None
+    for name in ("vllm:shutdown_timeout_zero", "vllm:lmcache_shutdown_not_forwarded"):  # still say what to do
+        assert by[name].status is Status.WARN and (by[name].fix or "").endswith("kvctl --root /r gc --yes")
+    assert "kvcached release" in (by["vllm-patch:worker_listener"].fix or "")  # a different fix: its own
+
+    # Excluded by VLLM_PLUGINS (and not switched on): said once, on the line that says why.
+    lines = engine_results("vllm", section(plugin=plugin({"VLLM_PLUGINS": "lora"})))
+    assert _fixes(lines, "VLLM_PLUGINS=lora,kvcached") == ["vllm-plugins"]
+    assert _fixes(lines, "ENABLE_KVCACHED=true") == ["vllm-plugins"]  # both switches, in one fix
+    assert {r.name: r for r in lines}["vllm"].fix is None
+
+    # Active: nothing to fix anywhere.
+    lines = engine_results("vllm", section(plugin=plugin({"ENABLE_KVCACHED": "1"})))
+    assert _fixes(lines, "export ") == []
+
+
+def test_an_engine_section_that_could_not_be_read_keeps_its_hazards() -> None:
+    lines = engine_results("vllm", section(error="vLLM not importable: boom", patches=(), conditions=()))
+    assert [r.name for r in lines] == ["vllm", "vllm-ray"]
+    assert lines[0].summary == "could not inspect the installed vLLM: vLLM not importable: boom"
+
+
+def test_sglangs_shapes_are_reported_by_its_section_and_rendered_by_doctor() -> None:
+    """The shapes SGLang's integration stands aside from: present by the facts it reads, a note otherwise."""
+    from kvcached.integration.sglang import detect as sg
+
+    def shapes(facts: dict[str, Any]) -> Any:
+        eng = EngineSection(version="0.5.23", error=None, plugin=sg.plugin({"KVCACHED_ENABLE": "1"}), label=sg.LABEL,
+                            facts=facts, hazards=(sg.shapes_hazard(facts),))
+        doc = parse(json.loads(json.dumps(DetectDocument(engines={"sglang": eng}).to_dict())))
+        (line,) = [r for r in engine_results("sglang", doc.engines["sglang"], kvctl="kvctl --root /r")
+                   if r.name == "sglang-shapes"]
+        assert line.under == "sglang"
+        return line
+
+    rust = shapes({sg.RUST_SERVER: True, sg.PLATFORM: "cuda", sg.PLATFORM_COVERED: True})
+    assert rust.status is Status.WARN and rust.summary.startswith("SGLANG_RUST_SERVER is set in this environment: ")
+    assert (rust.fix or "").startswith("serve without them") and rust.fix.endswith("kvctl --root /r gc --yes")
+    npu = shapes({sg.RUST_SERVER: False, sg.PLATFORM: "npu", sg.PLATFORM_COVERED: False, sg.RAY_INSTALLED: True})
+    assert npu.status is Status.WARN and npu.summary.startswith("SGLang's platform here is 'npu': ")
+    quiet = shapes({sg.RUST_SERVER: False, sg.PLATFORM: "unknown", sg.PLATFORM_COVERED: None, sg.RAY_INSTALLED: True})
+    assert quiet.status is Status.SKIP and "Ray (--use-ray)" in quiet.summary
+    assert quiet.summary.endswith("; Ray is installed here")
+
+
+def test_a_ray_backed_serve_on_the_node_is_named_by_doctor(layout, tmp_path) -> None:
+    """A real process with a Ray-backed vLLM command line, found by doctor's /proc pass from the document's matcher."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "--distributed-executor-backend",
+                              "ray"], stdin=subprocess.DEVNULL)
+    try:
+        assert RAY_PROCESSES.matches([sys.executable, "-c", "x", "--distributed-executor-backend", "ray"])
+        doc = DetectDocument(engines={"vllm": section(hazards=(ray_hazard(False),))}).to_dict()
+        lines = {r.name: r for r in doctor(layout, printing(tmp_path, json.dumps(doc)))}
+    finally:
+        child.kill()
+        child.wait()
+    ray = lines["vllm-ray"]
+    assert ray.status is Status.WARN and ray.under == "vllm"
+    assert child.pid in ray.details["pids"] and f"PID {child.pid}" in ray.summary
+    assert "Ray-backed vLLM process(es) here" in ray.summary and "not covered" in ray.summary

@@ -280,26 +280,48 @@ def test_the_detect_entry_prints_the_document_doctor_reads() -> None:
                                                 "lmcache-no-shutdown-forwarding"}
     assert {p.name for p in eng.patches if eng.patch_active(p)} == set(ALL_PATCHES)
     assert eng.plugin.allowed is True and eng.facts["ray_installed"] is False
+    assert eng.label == "vLLM" and eng.plugin.fix is None  # enabled and allowed: nothing to fix
+    (ray,) = eng.hazards  # Ray is not installed here: no note, but doctor still looks for Ray-backed serves
+    assert ray.name == "ray" and ray.report_absent is False and ray.processes is not None
 
 
 @needs_vllm
 def test_vllm_plugins_excluding_kvcached_makes_every_patch_inactive(clean_patches, monkeypatch) -> None:
     """vLLM skips a plugin VLLM_PLUGINS does not list: detect and doctor say inactive, with the fix."""
     from kvcached.integration.vllm.detect import section
-    from kvcached.node.diagnostics import Status, vllm_results
+    from kvcached.node.diagnostics import Status, engine_results
 
     monkeypatch.setenv("ENABLE_KVCACHED", "true")
     monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver")
     eng = section()
     assert eng.plugin.allowed is False and eng.plugin.allow_list == "lora_resolver"
     assert not any(eng.patch_active(p) for p in eng.patches)
-    results = {r.name: r for r in vllm_results(eng)}
+    results = {r.name: r for r in engine_results("vllm", eng)}
     assert "inactive" in results["vllm"].summary and results["vllm"].status is Status.WARN
     assert (results["vllm-plugins"].fix or "").startswith("export VLLM_PLUGINS=lora_resolver,kvcached")
     assert all("inactive" in results[f"vllm-patch:{n}"].summary for n in ALL_PATCHES)
     monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver,kvcached")
     eng = section()
     assert all(eng.patch_active(p) for p in eng.patches if p.name in ALL_PATCHES)  # elastic-kv: opt-in, off
+
+
+@needs_vllm
+def test_kvctl_doctor_says_enable_kvcached_once_for_vllm(layout) -> None:
+    """A new user's first run: vLLM installed, kvcached not switched on. One fix for vLLM, its patches under it."""
+    from tests.conftest import KVCTL
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ENABLE_KVCACHED", "KVCACHED_ENABLE", "KVCACHED_ELASTIC", "VLLM_PLUGINS")}
+    r = subprocess.run([KVCTL, "--root", layout.root, "doctor", "engine"], env=env, capture_output=True, text=True,
+                       timeout=400, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("export ENABLE_KVCACHED=true") == 1, r.stdout
+    lines = r.stdout.splitlines()
+    (engine,) = [i for i, ln in enumerate(lines) if ln.startswith("  warn vllm ")]
+    assert "fix: export ENABLE_KVCACHED=true" in lines[engine + 1]
+    for name in ALL_PATCHES:  # each listed under vLLM's line, without a fix of its own
+        (i,) = [i for i, ln in enumerate(lines) if ln.startswith(f"    warn vllm-patch:{name} ")]
+        assert "inactive" in lines[i] and "fix: " not in lines[i + 1]
 
 
 def test_detect_without_vllm_reports_why(monkeypatch) -> None:

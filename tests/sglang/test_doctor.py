@@ -39,8 +39,9 @@ def _doctors(layout, envs: Mapping[str, Mapping[str, str]]) -> dict[str, dict[st
 def test_doctor_says_the_plugin_is_active_which_hooks_apply_and_the_stop_hazards(layout) -> None:
     """Enabled and allowed: `sglang` ok, every patch active; SGLANG_PLUGINS without kvcached: why not, the fix."""
     runs = _doctors(layout, {"on": {"KVCACHED_ENABLE": "1"},
-                             "excluded": {"KVCACHED_ENABLE": "1", "SGLANG_PLUGINS": "lora, other"}})
-    on, excluded = runs["on"], runs["excluded"]
+                             "excluded": {"KVCACHED_ENABLE": "1", "SGLANG_PLUGINS": "lora, other"},
+                             "rust": {"KVCACHED_ENABLE": "1", "SGLANG_RUST_SERVER": "1"}})
+    on, excluded, rust = runs["on"], runs["excluded"], runs["rust"]
 
     check = on["sglang"]
     assert (check["group"], check["status"]) == ("engine", "ok"), check
@@ -63,6 +64,12 @@ def test_doctor_says_the_plugin_is_active_which_hooks_apply_and_the_stop_hazards
     assert detect["facts"]["kill_tree_waits"] is True and detect["facts"]["scheduler_exit_timeout_s"] == "15"
     assert on["sglang-shapes"]["status"] == "skip" and "Ray (--use-ray)" in on["sglang-shapes"]["summary"]
     assert "sglang-plugins" not in on
+    assert not [c for c in on.values() if c["name"].startswith("sglang") and c["fix"]]  # active: nothing to fix
+    # The shapes hazard is SGLang's integration's, read from its section: SGLANG_RUST_SERVER set makes it a warning.
+    shapes = rust["sglang-shapes"]
+    assert shapes["status"] == "warn" and shapes["under"] == "sglang", shapes
+    assert shapes["summary"].startswith("SGLANG_RUST_SERVER is set in this environment: kvcached stands aside")
+    assert shapes["fix"].startswith("serve without them") and "kvctl --root" in shapes["fix"]
 
     check = excluded["sglang"]
     assert check["status"] == "warn"
@@ -71,9 +78,12 @@ def test_doctor_says_the_plugin_is_active_which_hooks_apply_and_the_stop_hazards
     assert excluded["sglang-plugins"]["status"] == "warn"
     assert "SGLANG_PLUGINS='lora, other' does not list kvcached" in excluded["sglang-plugins"]["summary"]
     assert excluded["sglang-plugins"]["fix"].startswith("export SGLANG_PLUGINS=lora,other,kvcached")
+    said = [c["name"] for c in excluded.values() if "SGLANG_PLUGINS=lora,other,kvcached" in (c["fix"] or "")]
+    assert said == ["sglang-plugins"]  # once for the engine, not once per patch
     for patch in REGISTRY.patches:  # ready, but SGLang never loads us (elastic: off by its own switch first)
         want = "skip" if patch.name == "sglang-elastic-kv" else "warn"
         assert excluded[f"sglang-patch:{patch.name}"]["status"] == want
+        assert excluded[f"sglang-patch:{patch.name}"]["under"] == "sglang"
     for name in HAZARDS:
         assert excluded[f"sglang:{name}"]["status"] == "warn"
         assert "fix: " not in excluded[f"sglang:{name}"]["summary"]

@@ -180,3 +180,20 @@ def test_the_engine_side_modules_are_the_documented_ones() -> None:
     for doc, engine in (("docs/VLLM.md", "vllm"), ("docs/SGLANG.md", "sglang")):
         line = next(ln for ln in (REPO / doc).read_text().splitlines() if ln.startswith("Engine-side modules"))
         assert set(re.findall(r"`(kvcached\.[\w.]+)`", line)) == {m for m, e in ENGINE_SIDE.items() if e == engine}
+
+
+# doctor's engine checks and the document they read: what they say about an engine comes from its section.
+ENGINE_AGNOSTIC = ("kvcached.node.diagnostics", "kvcached.node.detectdoc")
+
+
+@pytest.mark.parametrize("module", ENGINE_AGNOSTIC)
+def test_doctor_names_no_engine_of_its_own(module: str) -> None:
+    """No string in their code names vLLM, SGLang or Ray (docstrings and comments may, as examples)."""
+    tree = ast.parse(source_of(module).read_text())
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    named = [(n.lineno, n.value) for n in ast.walk(tree)
+             if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+             and re.search(r"\b(vllm|sglang|ray)\b", n.value, re.IGNORECASE)]
+    assert named == []

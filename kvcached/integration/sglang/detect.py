@@ -1,8 +1,10 @@
 """What kvcached finds in the installed SGLang: its stop hazards, each patch's status, the `sglang` section.
 
 The section goes into kvcached.detect/1 (`python -m kvcached.integration.detect
---json`, read by `kvctl doctor`). Building it imports SGLang's scheduler and
-engine modules (what the patches probe); importing this module does not.
+--json`, read by `kvctl doctor`), with everything doctor says about SGLang: how
+to turn kvcached on here, and the shapes kvcached stands aside from. Building
+it imports SGLang's scheduler and engine modules (what the patches probe);
+importing this module does not.
 """
 
 from __future__ import annotations
@@ -10,23 +12,30 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ... import settings
-from ...node.detectdoc import (
-    RAY_INSTALLED,
-    SGLANG_PLATFORM,
-    SGLANG_PLATFORM_COVERED,
-    SGLANG_RUST_SERVER,
-    Condition,
-    EngineSection,
-    Plugin,
-)
+from ...node.detectdoc import Condition, EngineSection, Hazard, Plugin
 from .. import enabled
 from ..patchkit import source
-from .common import COVERED_DEVICES, M_COMMON, M_ENGINE, M_SCHEDULER, M_TOKENIZER, module, plugin_allowed
+from .common import (
+    COVERED_DEVICES,
+    M_COMMON,
+    M_ENGINE,
+    M_SCHEDULER,
+    M_TOKENIZER,
+    PLUGIN_NAME,
+    module,
+    plugin_allowed,
+)
 
-# Facts of the sglang section beyond those doctor reads (kvcached.node.detectdoc names those).
+LABEL = "SGLang"
+ENABLE_FIX = "export KVCACHED_ENABLE=1 (kvcached's SGLang plugin applies its patches in every SGLang process)"
+# Facts of the sglang section: the shapes hazard is judged from the first four, the rest are SGLang's stop timings.
+RAY_INSTALLED = "ray_installed"  # Ray-backed serves (--use-ray) are not covered
+RUST_SERVER = "rust_server"  # SGLANG_RUST_SERVER is set: serves started so are not covered
+PLATFORM = "platform"  # SGLang's platform here, by its device name ("unknown": none detected)
+PLATFORM_COVERED = "platform_covered"  # CUDA or the CPU; null when no platform was detected
 EXIT_WAIT = "scheduler_exit_timeout_s"  # how long main waits for schedulers after ShutdownReq before SIGKILL
 KILL_WAITS = "kill_tree_waits"  # kill_process_tree waits for the processes it SIGKILLed
 
@@ -96,18 +105,18 @@ def facts() -> dict[str, bool | str | None]:
     """What doctor reports beside the patches: shapes kvcached does not cover, SGLang's stop timings."""
     out: dict[str, bool | str | None] = {RAY_INSTALLED: _installed("ray")}
     try:
-        out[SGLANG_RUST_SERVER] = bool(module("sglang.srt.environ").envs.SGLANG_RUST_SERVER.get())
+        out[RUST_SERVER] = bool(module("sglang.srt.environ").envs.SGLANG_RUST_SERVER.get())
     except Exception:
-        out[SGLANG_RUST_SERVER] = None
+        out[RUST_SERVER] = None
     try:
         from sglang.srt.platforms import current_platform
 
         name = str(getattr(current_platform, "device_name", None) or type(current_platform).__name__)
-        out[SGLANG_PLATFORM] = name
+        out[PLATFORM] = name
         # "unknown": no device platform detected (SGLang's base platform); the serve's --device decides.
-        out[SGLANG_PLATFORM_COVERED] = None if name == "unknown" else name in COVERED_DEVICES
+        out[PLATFORM_COVERED] = None if name == "unknown" else name in COVERED_DEVICES
     except Exception:
-        out[SGLANG_PLATFORM] = out[SGLANG_PLATFORM_COVERED] = None
+        out[PLATFORM] = out[PLATFORM_COVERED] = None
     try:
         out[EXIT_WAIT] = str(module(M_TOKENIZER)._SCHEDULER_EXIT_TIMEOUT_SECS)
     except Exception:
@@ -116,17 +125,46 @@ def facts() -> dict[str, bool | str | None]:
     return out
 
 
+# What kvcached does not cover in SGLang (docs/SGLANG.md, "Shapes to stand aside from").
+NOT_COVERED = (
+    "kvcached stands aside (one log line in each process, nothing made, no owner cleanup) in SGLang serves on "
+    "Ray (--use-ray), with the Rust server (SGLANG_RUST_SERVER), on the nodes after node 0 of a multi-node serve, "
+    "and on devices other than CUDA and the CPU"
+)
+
+
+def shapes_hazard(facts: Mapping[str, bool | str | None]) -> Hazard:
+    """The shapes kvcached stands aside from: present when this environment is one (by `facts`), else a note."""
+    here = []
+    if facts.get(RUST_SERVER) is True:
+        here.append("SGLANG_RUST_SERVER is set in this environment")
+    if facts.get(PLATFORM_COVERED) is False:
+        here.append(f"SGLang's platform here is {facts.get(PLATFORM)!r}")
+    note = "Ray is installed here" if facts.get(RAY_INSTALLED) is True else ""
+    return Hazard(name="shapes", present=bool(here), summary=NOT_COVERED, detail="; ".join(here) or note,
+                  fix="serve without them to have kvcached cover the serve", report_absent=True)
+
+
+def plugin(environ: Mapping[str, str] | None = None) -> Plugin:
+    """Whether SGLang processes started with `environ` (default: ours) load kvcached, and what to do if not."""
+    allow, var = settings.SGLANG_PLUGINS.get(environ), settings.SGLANG_PLUGINS.name
+    # SGLang strips each name of its allow-list (sglang/srt/plugins/__init__.py).
+    return Plugin.of(enabled=enabled(environ), allowed=plugin_allowed(environ), allow_list_var=var, allow_list=allow,
+                     listed=[n.strip() for n in (allow or "").split(",") if n.strip()],
+                     label=LABEL, enable=ENABLE_FIX, name=PLUGIN_NAME)
+
+
 def section() -> EngineSection:
-    """The `sglang` section: version, plugin, patches, conditions, facts. Imports SGLang; never raises."""
-    plugin = Plugin(enabled=enabled(), allowed=plugin_allowed(), allow_list_var=settings.SGLANG_PLUGINS.name,
-                    allow_list=settings.SGLANG_PLUGINS.get())
+    """The `sglang` section: version, plugin, patches, conditions, hazards, facts. Imports SGLang; never raises."""
     try:
         version: str | None = importlib.metadata.version("sglang")
         module(M_SCHEDULER)
         module(M_ENGINE)
     except Exception as e:
-        return EngineSection(version=None, error=f"SGLang not importable: {type(e).__name__}: {e}", plugin=plugin)
+        return EngineSection(version=None, error=f"SGLang not importable: {type(e).__name__}: {e}", plugin=plugin(),
+                             label=LABEL)
     from .patches import REGISTRY
 
-    return EngineSection(version=version, error=None, plugin=plugin, patches=REGISTRY.report(),
-                         conditions=conditions(), facts=facts())
+    found = facts()
+    return EngineSection(version=version, error=None, plugin=plugin(), patches=REGISTRY.report(),
+                         conditions=conditions(), facts=found, label=LABEL, hazards=(shapes_hazard(found),))

@@ -1,8 +1,9 @@
 """What kvcached finds in the installed vLLM: its shutdown conditions, each patch's status, the `vllm` section.
 
 The section goes into kvcached.detect/1 (`python -m kvcached.integration.detect
---json`, read by `kvctl doctor`). Building it imports vLLM; importing this
-module does not.
+--json`, read by `kvctl doctor`), with everything doctor says about vLLM: how
+to turn kvcached on here, and the Ray hazard with the processes that show it.
+Building it imports vLLM; importing this module does not.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
+from collections.abc import Mapping
 
 from ... import settings
-from ...node.detectdoc import RAY_INSTALLED, Condition, EngineSection, Plugin
+from ...node.detectdoc import Condition, EngineSection, Hazard, Plugin, ProcessMatch
 from .. import enabled
 from ..patchkit import is_ours
-from .common import M_ARGS, M_CORE, M_LMCACHE, module, plugin_allowed, source
+from .common import M_ARGS, M_CORE, M_LMCACHE, PLUGIN_NAME, module, plugin_allowed, source
 
 
 def _shutdown_timeout() -> Condition:
@@ -73,6 +75,42 @@ def conditions() -> tuple[Condition, ...]:
     return (_shutdown_timeout(), _sigterm_reset(), _lmcache())
 
 
+LABEL = "vLLM"
+RAY_INSTALLED = "ray_installed"  # a fact of the section
+ENABLE_FIX = "export ENABLE_KVCACHED=true (kvcached's vLLM plugin applies its patches in every vLLM process)"
+
+
+def plugin(environ: Mapping[str, str] | None = None) -> Plugin:
+    """Whether vLLM processes started with `environ` (default: ours) load kvcached, and what to do if not."""
+    allow, var = settings.VLLM_PLUGINS.get(environ), settings.VLLM_PLUGINS.name
+    # vLLM splits its allow-list on commas and keeps any spaces (vllm/envs.py).
+    return Plugin.of(enabled=enabled(environ), allowed=plugin_allowed(environ), allow_list_var=var, allow_list=allow,
+                     listed=[n for n in (allow or "").split(",") if n],
+                     label=LABEL, enable=ENABLE_FIX, name=PLUGIN_NAME)
+
+
+# What kvcached does not cover under Ray (docs/VLLM.md, "Shapes").
+RAY_NOT_COVERED = (
+    "Ray-backed serves (--distributed-executor-backend ray, --data-parallel-backend ray) are not "
+    "covered: their workers and engines are Ray actors outside the serve's process group, so no "
+    "worker socket is served, no segment is claimed and no owner cleans up after them"
+)
+# A Ray-backed serve on this node: its command line, or a Ray actor's title (`ray::Class.method`).
+RAY_PROCESSES = ProcessMatch(
+    label="Ray-backed vLLM",
+    argv0_prefixes=tuple(f"ray::{actor}" for actor in ("RayWorkerProc", "EngineCoreActor", "DPMoEEngineCoreActor")),
+    options=(("--distributed-executor-backend", "ray"), ("--data-parallel-backend", "ray")),
+)
+
+
+def ray_hazard(installed: bool) -> Hazard:
+    """Ray-backed serves: shown when one runs on the node (whatever this interpreter has), noted when Ray is here."""
+    return Hazard(name="ray", present=False, summary=RAY_NOT_COVERED,
+                  detail="Ray is installed here" if installed else "",
+                  fix="serve with the default multiprocessing backends to have kvcached cover them",
+                  processes=RAY_PROCESSES, report_absent=installed)
+
+
 def _ray_installed() -> bool:
     try:
         return importlib.util.find_spec("ray") is not None
@@ -81,16 +119,16 @@ def _ray_installed() -> bool:
 
 
 def section() -> EngineSection:
-    """The `vllm` section: version, plugin, patches, conditions, facts. Imports vLLM; never raises."""
-    plugin = Plugin(enabled=enabled(), allowed=plugin_allowed(), allow_list_var=settings.VLLM_PLUGINS.name,
-                    allow_list=settings.VLLM_PLUGINS.get())
-    facts: dict[str, bool | str | None] = {RAY_INSTALLED: _ray_installed()}
+    """The `vllm` section: version, plugin, patches, conditions, hazards, facts. Imports vLLM; never raises."""
+    ray = _ray_installed()
+    # The hazard stands even where vLLM does not import: a Ray-backed serve may run here from another install.
+    base = EngineSection(version=None, error=None, plugin=plugin(), facts={RAY_INSTALLED: ray}, label=LABEL,
+                         hazards=(ray_hazard(ray),))
     try:
         version = getattr(module("vllm"), "__version__", None)
     except Exception as e:
-        return EngineSection(version=None, error=f"vLLM not importable: {type(e).__name__}: {e}", plugin=plugin,
-                             facts=facts)
+        return dataclasses.replace(base, error=f"vLLM not importable: {type(e).__name__}: {e}")
     from .patches import REGISTRY
 
-    return EngineSection(version=version if isinstance(version, str) else None, error=None, plugin=plugin,
-                         patches=REGISTRY.report(), conditions=conditions(), facts=facts)
+    return dataclasses.replace(base, version=version if isinstance(version, str) else None,
+                               patches=REGISTRY.report(), conditions=conditions())

@@ -7,14 +7,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..facts import Facts, is_kernel_thread
+from ..facts import Facts
 from ..scan import FileType
+from ..sight import pid_view_gap
 from .families import Evidence, Where
 from .scan import EngineCandidate, needs_creators
-
-# The initial PID namespace has this fixed inode (PROC_PID_INIT_INO, Linux >= 3.8). In any other one,
-# processes of the parent and sibling namespaces (another container sharing this /dev/shm) are invisible.
-INITIAL_PID_NS = "pid:[4026531836]"
 
 
 class Proc(NamedTuple):
@@ -55,28 +52,6 @@ class EngineEvidence:
         """Unread processes that could open `c`: its owner's, or anyone's when its mode lets others in."""
         shared = bool(c.mode & 0o066)
         return [b.pid for b in self.blind if shared or b.uid == c.uid]
-
-
-def pid_view_gap(proc_root: str) -> str | None:
-    """Why this /proc cannot show every process on the node (None: it can).
-
-    A procfs shows the processes of the PID namespace it was mounted for, and
-    PID 1 there is that namespace's init, so /proc/1/ns/pid names it. Where
-    that link may not be read (not root; or from inside a child namespace),
-    kthreadd tells: kernel threads are seen only in the initial namespace's
-    procfs, and kthreadd is always PID 2.
-    """
-    ns: str | None
-    try:
-        ns = os.readlink(f"{proc_root}/1/ns/pid")
-    except PermissionError:
-        ns = INITIAL_PID_NS if is_kernel_thread(2, proc_root) else None
-    except OSError as e:
-        return f"the PID namespace of {proc_root} could not be read ({e.strerror})"
-    if ns == INITIAL_PID_NS:
-        return None
-    return (f"{proc_root} shows a PID namespace of its own (a container without hostPID): processes of other "
-            "containers that share this directory cannot be seen")
 
 
 def gather_engine_evidence(facts: Facts, candidates: Sequence[EngineCandidate], *, is_root: bool | None = None,
