@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from kvcached import settings
+from kvcached.node.facts import Facts, ProcessInfo
 from kvcached.node.layout import Layout
 from kvcached.node.mounts import read_mountinfo
-from kvcached.node.places.discover import HOST, Place, PlaceKind, Seen, _cgroup_ids, pod_of_kubelet_dir
+from kvcached.node.places.discover import HOST, Place, PlaceKind, Seen, _cgroup_ids, discover, pod_of_kubelet_dir
 
 UID = "0c1d2e3f-4a5b-4c6d-8e7f-901234567890"
 CID = "a" * 64
@@ -87,3 +88,27 @@ def test_the_sandbox_table_is_one_per_runtime_path() -> None:
     runtimes = {r for r, _, _ in settings.SANDBOX_SHM}
     assert runtimes == {"containerd", "cri-o", "docker"}
     assert all(d.startswith("/") and not below.startswith("/") for _, d, below in settings.SANDBOX_SHM)
+
+
+def _process(pid: int, mnt_ns: str) -> ProcessInfo:
+    return ProcessInfo(pid, 0.0, 1, pid, 0, "python", ("python",), None, frozenset(), frozenset(), mnt_ns, None,
+                       frozenset())
+
+
+def test_a_namespace_whose_mount_table_cannot_be_read_sees_every_place(tmp_path: Path) -> None:
+    """Unknown is not proof of absence: its processes stay creator candidates of every place's files."""
+    kubelet = tmp_path / "kubelet"
+    vol = kubelet / "pods" / UID / "volumes" / "kubernetes.io~empty-dir" / "dshm"
+    vol.mkdir(parents=True)
+    dev = os.stat(vol).st_dev
+    proc = _proc(tmp_path, 8, mountinfo="")  # PID 8: a namespace that mounts nothing of ours
+    os.makedirs(f"{proc}/self")
+    (Path(proc) / "self" / "mountinfo").write_text(
+        f"40 27 {os.major(dev)}:{os.minor(dev)} / {vol} rw - tmpfs tmpfs rw\n")
+    os.makedirs(f"{proc}/7")  # PID 7: its mount table is not there to read
+    facts = Facts(proc_root=proc, my_mnt_ns="mnt:[1]", my_net_ns=None,
+                  processes={7: _process(7, "mnt:[7]"), 8: _process(8, "mnt:[8]")})
+    found = discover(facts, Layout(str(tmp_path / "root")), kubelet_dir=str(kubelet))
+    [place] = found.others
+    assert place.kind is PlaceKind.POD_VOLUME and place.pids == (7,)
+    assert any("could not be read" in e for e in found.errors)

@@ -300,6 +300,7 @@ class _Finder:
                 continue
             self.host_ids.add((st.st_dev, st.st_ino))
         self.sees: dict[str | None, frozenset[int]] = {}
+        self.unread: set[str] = set()  # namespaces whose mount table could not be read
 
     def add(self, ident: tuple[int, int], place: Place) -> None:
         if ident not in self.host_ids and ident not in self.by_id:
@@ -347,8 +348,11 @@ class _Finder:
         """One other mount namespace, read through one of its processes: what it sees at /dev/shm and /tmp."""
         mounts = read_mountinfo(self.proc_root, rep)
         if mounts is None:
-            self.errors.append(f"{self.proc_root}/{rep}/mountinfo: could not be read (mount namespace {ns})")
-            self.sees[ns] = frozenset()
+            # What it sees is unknown, so its processes may have made any place's files: they count as seeing
+            # every place (a PID in a name then proves the file alive more often, never less).
+            self.errors.append(f"{self.proc_root}/{rep}/mountinfo: could not be read (mount namespace {ns}); "
+                               "its processes are taken to see every place")
+            self.unread.add(ns)
             return
         self.sees[ns] = self.visible(mounts)
         root = f"{self.proc_root}/{rep}/root"
@@ -397,12 +401,13 @@ def discover(facts: Facts, host: Layout, *, kubelet_dir: str | None = None,
     for ns in sorted(reps, key=lambda n: reps[n]):
         finder.namespace(ns, reps[ns])
     places = list(finder.by_id.values())
-    wanted = {pl.dev for pl in places}
+    wanted = frozenset(pl.dev for pl in places if pl.dev is not None)
     per_ns = {ns: devs & wanted for ns, devs in finder.sees.items()}
+    per_ns.update({ns: wanted for ns in finder.unread})
     viewers: dict[int, list[int]] = {}
     for pid, p in facts.processes.items():
         for dev in per_ns.get(p.mnt_ns, ()):
             viewers.setdefault(dev, []).append(pid)
-    final = [replace(pl, pids=tuple(sorted(viewers.get(pl.dev, ())))) for pl in places]  # type: ignore[arg-type]
+    final = [replace(pl, pids=tuple(sorted(viewers.get(pl.dev, ())))) for pl in places if pl.dev is not None]
     return Places(replace(HOST, path=host.root), final, {d: tuple(sorted(v)) for d, v in viewers.items()},
                   finder.errors)
