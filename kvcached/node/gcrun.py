@@ -263,7 +263,7 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
     from .cleanup import execute
 
     p = _kvcached_plan(opts)
-    if opts.names and not p.matched:
+    if opts.names and not p.matched and not opts.all_places:  # -A: the names may match in another place (below)
         raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
     orphans, killable, targets = _orphans(p)
     killed: list[Any] = []
@@ -286,6 +286,8 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
 
         prepare(p.facts)  # the engine pass's one read of the maps also finds GPU mappings
     pp = _places_plan(opts, p) if opts.all_places else None
+    if pp is not None and opts.names and not any(x.plan is not None and x.plan.matched for x in pp.plans):
+        raise NoMatch(f"no deployment matches {' '.join(opts.names)} in any place of the node")
     ep = _host_engines(opts, p, pp)
     if opts.engine_pass:
         from .gpu.gcstep import gpu_step

@@ -203,6 +203,9 @@ def node(base: str, kvctl: str) -> dict:
             out["metrics"] = f.read()
         out["dry_text"] = _kvctl(kvctl, base, "gc", "-A", "--engines", "--dry-run", json_out=False)
         out["gc"] = _kvctl(kvctl, base, "gc", "-A", "--engines", "--yes")
+        out["named"] = _kvctl(kvctl, base, "gc", "-A", "--dry-run", out["c4"]["live"])
+        out["nomatch"] = subprocess.run([kvctl, "--root", f"{base}/root", "gc", "-A", "--dry-run", "nosuchname",
+                                         "--kubelet-dir", kubelet], capture_output=True, text=True).returncode
         out["left"] = {"a": sorted(os.listdir(vol_a)), "b": sorted(os.listdir(vol_b)),
                        "c3": sorted(os.listdir(f"/proc/{out['c3']['host_pid']}/root/dev/shm")),
                        "c4_shm": sorted(os.listdir(f"/proc/{out['c4']['host_pid']}/root/dev/shm")),

@@ -181,3 +181,10 @@ def test_a_private_tmp_on_the_hosts_filesystem_is_a_place(node: dict[str, Any]) 
     assert node["left"]["privtmp"] == [c5["live"]]
     entries = {e["path"].rsplit("/", 1)[1]: e for e in _by_place(gc)[place["path"]]}
     assert entries[c5["dead"]]["reason"] == "not_listening" and entries[c5["live"]]["reason"] == "listening"
+
+
+def test_names_with_A_match_in_any_place(node: dict[str, Any]) -> None:
+    named = node["named"]["doc"]
+    assert named["entries"] and {e["deployment"] for e in named["entries"]} == {node["c4"]["live"]}
+    assert all(e["place"]["kind"] == "mount_namespace" for e in named["entries"])
+    assert node["nomatch"] == 6
