@@ -65,7 +65,7 @@ def _pools(num_blocks: int, seg: str) -> tuple[Any, Any, Any]:
     """(vLLM's pool, the elastic pool, its KV buffer) over `num_blocks` blocks of one layer."""
     from vllm.v1.core.block_pool import BlockPool
 
-    from kvcached.integration.vllm.blockpool import ElasticBlockPool, ElasticSetup
+    from kvcached.integration.vllm.elastic_alloc import ElasticBlockPool, ElasticSetup
     from kvcached.runtime.kvbuffer import KVBuffer, LocalLink
     from kvcached.runtime.kvplan import Footprint
 
@@ -236,7 +236,7 @@ def bench_pool(rounds: int, steps: int) -> float:
             t_plain2.append(got["plain"][0])
             t_nostep.append(got["elastic"][0])
         per_step = _per_call(step)
-        limit_read = _per_call(elastic._limit_watch.read)
+        limit_read = _per_call(elastic.segment.read)
         probe = _Batch()
         inflight = _per_call(lambda: (elastic.inflight.issue(probe), elastic.inflight.complete(probe)))
         blocks_per_step = n / steps

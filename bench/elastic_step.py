@@ -201,11 +201,13 @@ GROUPS = {
     "step hooks (wrappers, begin/end_step, in-flight batches)": (
         "schedule", "update_from_output", "_scheduled", "_updated", "_bind_steps",
         "_schedule", "_update_from_output", "_finish_requests", "elastic_pool", "begin_step", "end_step",
-        "issue", "complete", "_set_limit", "_unreadable"),
-    "page judgement, usage published": ("_trim", "_page_state", "_publish", "write_segment", "_recount",
-                                        "_blocks_in_pages", "_blocks_of", "_flock"),
-    "map / unmap on the workers": ("_grow", "release_finished", "finished_through", "map", "unmap", "map_groups",
-                                   "unmap_groups", "_apply", "_map_locked", "_acquire", "_release"),
+        "issue", "complete", "_set_limit", "set_limit", "limit", "max_pages", "mapped_count", "kept"),
+    "page judgement, usage published": ("_trim", "_review", "due_for_release", "_page_state", "_publish", "publish",
+                                        "usage", "write_segment", "_recount", "_blocks_in_pages", "_blocks_of",
+                                        "_flock", "release"),
+    "map / unmap on the workers": ("_grow", "grow", "release_finished", "unmap_released", "finished_through", "map",
+                                   "unmap", "_map", "map_groups", "unmap_groups", "_apply", "_map_locked",
+                                   "_acquire", "_release"),
     "pool overrides on vLLM's per-block paths": ("get_new_blocks", "free_blocks", "get_num_free_blocks"),
 }
 # vLLM's own work, reached through our wrappers and overrides: not kvcached's cost.

@@ -1,6 +1,6 @@
 """Engine integrations (vLLM and SGLang). Runtime layer: loaded only inside engine processes, and by `detect`.
 
-Importing this package, or any of its modules but `vllm.blockpool` (a subclass
+Importing this package, or any of its modules but `vllm.elastic_alloc` (a subclass
 of vLLM's BlockPool), imports neither an engine nor torch: the patches import
 their engine when they are applied or probed.
 

@@ -35,18 +35,16 @@ from kvcached.node.errors import IpcError
 from kvcached.node.layout import Layout
 from kvcached.runtime.ipc.client import Client
 from kvcached.runtime.ipc.listener import WorkerListener
+from kvcached.runtime.ipc.protocol import CMD_CONFIGURE, CMD_CREATED, CMD_INFO, CMD_MAP, CMD_MAPPED, CMD_UNMAP
 
 from .kvplan import Footprint, PagePlan, agree_blocks_per_page, min_blocks_per_page
 from .pages import DEFAULT_PAGE_SIZE, Pages, PartialUnmapError, as_tensor
-from .pool import CMD_CREATED, CMD_MAP, CMD_MAPPED, CMD_UNMAP, BroadcastMapper, MapError
+from .pool import BroadcastMapper, MapError
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("kvcached.kvbuffer")
-
-CMD_INFO = "kv_elastic_info"
-CMD_CONFIGURE = "kv_elastic_configure"
 
 
 class KVBuffer:

@@ -26,7 +26,6 @@ would, and the owner waits for ``kv_tensors_created`` on every rank.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
 import time
@@ -34,21 +33,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvcached.node.errors import IpcError, KvcachedError, SegmentMissing
+from kvcached.node.errors import IpcError, KvcachedError
 from kvcached.node.layout import Layout
-from kvcached.node.segment import read_segment, write_segment
+from kvcached.node.segment import read_segment
 from kvcached.runtime.ipc.client import Client
 from kvcached.runtime.ipc.listener import WorkerListener
+from kvcached.runtime.ipc.protocol import CMD_CREATE, CMD_CREATED, CMD_MAP, CMD_MAPPED, CMD_UNMAP
 
+from .elastic import ElasticPages, SegmentLimit
 from .pages import DEFAULT_PAGE_SIZE, Pages
 
 log = logging.getLogger("kvcached.pool")
-
-CMD_CREATE = "create_kv_tensors"
-CMD_CREATED = "kv_tensors_created"
-CMD_MAP = "map_to_kv_tensors"
-CMD_UNMAP = "unmap_from_kv_tensors"
-CMD_MAPPED = "kv_pages_mapped"
 
 
 class PoolExhausted(KvcachedError):
@@ -304,11 +299,14 @@ class KVPool:
     limit allows). Thread-safe; background pre-mapping (``step_interval``)
     maps pages outside the lock.
 
-    The segment is written whenever pages are mapped or unmapped, so the
-    mapped total (``used + prealloc``) there is always exact. A block moving
-    the split between ``used`` and ``prealloc`` without any mapping is
-    published at most every ``publish_interval`` seconds and at every `step`:
-    a segment write costs several times a fast-path alloc (bench/README.md).
+    The pages' books (what is mapped, the limit, the segment) are the elastic
+    core's (`kvcached.runtime.elastic`); the pool keeps each mapped page's
+    free blocks. The segment is written whenever pages are mapped or
+    unmapped, so the mapped total (``used + prealloc``) there is always
+    exact. A block moving the split between ``used`` and ``prealloc``
+    without any mapping is published at most every ``publish_interval``
+    seconds and at every `step`: a segment write costs several times a
+    fast-path alloc (bench/README.md).
     """
 
     def __init__(self, mapper: Mapper, geometry: Geometry, block_size: int, *,
@@ -327,7 +325,10 @@ class KVPool:
         self.prealloc_target = prealloc_pages
         self.publish_interval = publish_interval
         self._lock = threading.RLock()
-        self._unmapped: list[int] = list(range(geometry.num_pages))  # a heap: lowest page first
+        segment = SegmentLimit(segment_path, interval=publish_interval, logger=log) if segment_path else None
+        self._segment = segment
+        self.pages = ElasticPages(mapper, [self.blocks_per_page] * geometry.num_pages, geometry.page_bytes,
+                                  segment=segment)
         self._free_slots: dict[int, list[int]] = {}   # mapped page -> its free block ids
         self._partial: dict[int, None] = {}           # mapped pages with used and free blocks
         self._empty: dict[int, None] = {}             # mapped pages with no used block (prealloc)
@@ -335,12 +336,8 @@ class KVPool:
         self._allocated = bytearray(self.num_blocks)
         self._used_blocks = 0
         self._inflight = 0                            # pages being pre-mapped outside the lock
-        self._page_bytes = geometry.page_bytes
-        self._limit = 0
-        self._max_pages = 0                           # pages the limit allows, at most the range
-        self._set_limit(self._read_limit(default=geometry.num_pages * geometry.page_bytes))
-        self._published: tuple[int, int] | None = None
-        self._published_at = 0.0
+        self.pages.set_limit(geometry.num_pages * geometry.page_bytes)
+        self._refresh_limit()
         self._closed = False
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -352,47 +349,31 @@ class KVPool:
 
     # -- the limit and the segment ------------------------------------------------
 
-    def _read_limit(self, default: int) -> int:
-        if self.segment_path is None:
-            return default
-        try:
-            return read_segment(self.segment_path).total
-        except (SegmentMissing, KvcachedError, OSError) as e:
-            # Keep the last known limit: recreating the segment is its owner's job,
-            # and guessing a bigger limit could take memory an operator withdrew.
-            log.warning("cannot read the limit from %s (%s); keeping %d", self.segment_path, e, default)
-            return default
-
-    def _set_limit(self, limit: int) -> None:
-        self._limit = limit
-        self._max_pages = min(self.geometry.num_pages, max(0, limit) // self._page_bytes)
+    @property
+    def _limit(self) -> int:
+        limit = self.pages.limit
+        return 0 if limit is None else limit
 
     def _refresh_limit(self) -> int:
-        self._set_limit(self._read_limit(default=self._limit))
+        """Re-read the limit; an unreadable segment keeps the last one (guessing a bigger one could take memory
+        an operator withdrew; recreating the segment is its owner's job)."""
+        if self._segment is not None:
+            limit = self._segment.read()
+            if limit is not None:
+                self.pages.set_limit(limit)
         return self._limit
-
-    def _mapped_count(self) -> int:
-        return len(self._free_slots)
 
     def _mappable(self) -> int:
         """Pages that may still be mapped: unreserved, and within the limit."""
-        return max(0, min(len(self._unmapped), self._max_pages - self._mapped_count() - self._inflight))
+        return self.pages.mappable(self._inflight)
 
     def _publish(self, force: bool = False) -> None:
-        if self.segment_path is None:
+        segment = self._segment
+        if segment is None:
             return
-        prealloc = len(self._empty) * self._page_bytes
-        used = len(self._free_slots) * self._page_bytes - prealloc
-        if self._published == (used, prealloc):
-            return
-        now = time.monotonic()
-        if not force and now - self._published_at < self.publish_interval:
-            return  # step() or the next change after the interval publishes it
-        try:
-            write_segment(self.segment_path, used=used, prealloc=prealloc)
-            self._published, self._published_at = (used, prealloc), now
-        except (KvcachedError, OSError) as e:
-            log.warning("cannot publish usage to %s: %s", self.segment_path, e)
+        used, prealloc = self.pages.usage(len(self._empty))
+        if segment.published != (used, prealloc):
+            segment.publish(used, prealloc, force=force)
 
     # -- page bookkeeping (lock held) ------------------------------------------------
 
@@ -405,28 +386,20 @@ class KVPool:
             self._free_mapped += bpp
 
     def _map_new(self, count: int) -> None:
-        pages = [heapq.heappop(self._unmapped) for _ in range(count)]
-        try:
-            self.mapper.map(pages)
-        except BaseException:
-            for p in pages:
-                heapq.heappush(self._unmapped, p)
-            raise
-        self._add_mapped(pages)
+        self._add_mapped(self.pages.map_lowest(count))
 
     def _trim(self, keep_empty: int) -> None:
         """Unmap empty pages beyond `keep_empty`, and any past the limit."""
-        over = len(self._free_slots) + self._inflight - self._max_pages
+        over = self.pages.mapped_count + self._inflight - self.pages.max_pages
         excess = max(len(self._empty) - keep_empty, over)
         if excess <= 0 or not self._empty:
             return
         # Highest pages first: they are the last to be handed out again.
         victims = sorted(self._empty, reverse=True)[:excess]
-        self.mapper.unmap(victims)
+        self.pages.unmap_now(victims)
         for p in victims:
             del self._free_slots[p]
             del self._empty[p]
-            heapq.heappush(self._unmapped, p)
         self._free_mapped -= len(victims) * self.blocks_per_page
         self._publish(force=True)
 
@@ -449,7 +422,7 @@ class KVPool:
                     raise PoolExhausted(
                         f"pool exhausted: {n} blocks requested, {have} free in mapped pages and "
                         f"{mappable} more pages mappable (limit {self._limit} bytes, "
-                        f"{self._mapped_count()} of {self.geometry.num_pages} pages of "
+                        f"{self.pages.mapped_count} of {self.geometry.num_pages} pages of "
                         f"{self.geometry.page_bytes} bytes mapped)")
                 self._map_new(need_pages)
             blocks = self._take(n)
@@ -536,7 +509,7 @@ class KVPool:
             want = min(self.prealloc_target - len(self._empty) - self._inflight, self._mappable())
             if want <= 0:
                 return
-            pages = [heapq.heappop(self._unmapped) for _ in range(want)]
+            pages = self.pages.take_lowest(want)
             self._inflight += want
         # Mapping a page is slow next to alloc/free (bench/bench_pages.py): do it without
         # holding up alloc/free, which never count these pages as free.
@@ -549,6 +522,7 @@ class KVPool:
         with self._lock:
             self._inflight -= want
             if ok and not self._closed:
+                self.pages.mark_mapped(pages)
                 self._add_mapped(pages)
                 # The limit may have dropped meanwhile.
                 self._trim(self.prealloc_target)
@@ -557,8 +531,7 @@ class KVPool:
                 # close() began meanwhile and is waiting for us; it resets the free list.
                 self.mapper.unmap(pages)
             else:
-                for p in pages:
-                    heapq.heappush(self._unmapped, p)
+                self.pages.put_back(pages)
 
     def _background(self, interval: float) -> None:
         while not self._closed:
@@ -576,11 +549,12 @@ class KVPool:
 
     def _stats(self) -> PoolStats:
         pb = self.geometry.page_bytes
-        used_pages = self._mapped_count() - len(self._empty)
+        mapped = self.pages.mapped_count
+        used_pages = mapped - len(self._empty)
         return PoolStats(
             num_blocks=self.num_blocks,
             used_blocks=self._used_blocks,
-            mapped_pages=self._mapped_count(),
+            mapped_pages=mapped,
             used_pages=used_pages,
             prealloc_pages=len(self._empty),
             limit=self._limit,
@@ -634,8 +608,10 @@ class KVPool:
             self._partial.clear()
             self._empty.clear()
             self._free_mapped = 0
-            self._unmapped = list(range(self.geometry.num_pages))
+            self.pages.forget_all()
             self._publish(force=True)
+            if self._segment is not None:
+                self._segment.close()
 
     def __enter__(self) -> KVPool:
         return self

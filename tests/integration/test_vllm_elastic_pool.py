@@ -258,7 +258,7 @@ def test_batches_in_flight_keep_their_pages_mapped(serve, monkeypatch) -> None:
     mapped until that batch's output is back. Checked with `InFlight` as it
     is, then with it blinded, where the same trace must catch the violation.
     """
-    from kvcached.integration.vllm import blockpool
+    from kvcached.integration.vllm import elastic_alloc
 
     def run(s) -> list[str]:
         problems: list[str] = []
@@ -303,7 +303,7 @@ def test_batches_in_flight_keep_their_pages_mapped(serve, monkeypatch) -> None:
     assert s.mapped_bytes() <= 2 * PB
     s.close()
     elastic_kv.forget_engine()
-    monkeypatch.setattr(blockpool.InFlight, "finished_through", lambda self: self.issued)
+    monkeypatch.setattr(elastic_alloc.InFlight, "finished_through", lambda self: self.issued)
     s2 = serve(scheduler_cls=AsyncScheduler)
     assert run(s2), "with in-flight batches ignored the trace should unmap pages under a running batch"
 
@@ -360,7 +360,7 @@ def test_free_pages_stay_a_while_under_load_and_go_at_once_when_idle(serve, elas
 def test_in_flight_batches_close_when_their_output_returns_or_they_are_dropped() -> None:
     import gc
 
-    from kvcached.integration.vllm.blockpool import InFlight
+    from kvcached.integration.vllm.elastic_alloc import InFlight
 
     class Batch:
         pass

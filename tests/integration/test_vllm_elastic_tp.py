@@ -31,7 +31,8 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from kvcached.integration.vllm import elastic_kv, kvlayout  # noqa: E402
 from kvcached.node.startup import claim_segment  # noqa: E402
 from kvcached.runtime.ipc.client import Client  # noqa: E402
-from kvcached.runtime.pool import CMD_MAPPED, MapError  # noqa: E402
+from kvcached.runtime.ipc.protocol import CMD_MAPPED  # noqa: E402
+from kvcached.runtime.pool import MapError  # noqa: E402
 
 from . import elastic_support as es  # noqa: E402
 

@@ -10,7 +10,8 @@ pytest.importorskip(
 )
 
 from kvcached.runtime.ipc.listener import WorkerListener  # noqa: E402
-from kvcached.runtime.kvbuffer import CMD_INFO, KVBuffer, LocalLink, SocketLink  # noqa: E402
+from kvcached.runtime.ipc.protocol import CMD_INFO  # noqa: E402
+from kvcached.runtime.kvbuffer import KVBuffer, LocalLink, SocketLink  # noqa: E402
 from kvcached.runtime.kvplan import Footprint  # noqa: E402
 from kvcached.runtime.pool import MapError  # noqa: E402
 

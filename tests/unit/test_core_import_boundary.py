@@ -38,7 +38,7 @@ ALLOWED_IN_FUNCTIONS = {
 }
 # Modules of kvcached.integration that import their engine when imported (docs/VLLM.md and docs/SGLANG.md say
 # so, and why): subclasses of the engine's classes.
-ENGINE_SIDE = {"kvcached.integration.vllm.blockpool": "vllm",
+ENGINE_SIDE = {"kvcached.integration.vllm.elastic_alloc": "vllm",
                "kvcached.integration.sglang.elastic_alloc": "sglang",
                "kvcached.integration.sglang.elastic_pool": "sglang"}
 

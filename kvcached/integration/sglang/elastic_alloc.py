@@ -35,6 +35,11 @@ unchanged; this adds:
   (their free ids parked, so that they empty) and the prefix cache is evicted
   by the excess, until the mapping fits.
 
+The groups' books (states, grow with rollback, release at a boundary and
+the delayed unmap, the limit, the usage) are the elastic core's,
+`kvcached.runtime.elastic` (docs/ELASTIC.md), as for vLLM's block pool and
+the harness's pool.
+
 Per id, nothing is added to SGLang's hot paths; the per-group census (one
 ``bincount`` over the free list) runs at the boundary, at most four times per
 release delay while requests run (`bench/bench_sglang.py`).
@@ -42,9 +47,8 @@ release delay while requests run (`bench/bench_sglang.py`).
 
 from __future__ import annotations
 
-import heapq
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from time import monotonic_ns
 from typing import Any
@@ -56,12 +60,11 @@ from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 from sglang.srt.utils import get_num_new_pages
 
 from ... import settings
+from ...runtime.elastic import DRAINING, MAPPED, RELEASING, UNMAPPED, ElasticPages, due_for_release
 from .elastic_pool import _ElasticBuffers
 from .elastic_step import Agreed, Agreement, SegmentLimit, TPGroup
 
 log = logging.getLogger("kvcached.integration.sglang.elastic")
-
-UNMAPPED, MAPPED, RELEASING, DRAINING = 0, 1, 2, 3
 
 
 def _never() -> bool:
@@ -133,21 +136,15 @@ class _ElasticIds:
         self.group_len = [max(0, min((i + 1) * g, top + 1) - max(i * g, 1)) for i in range(n)]
         self._last = max(i for i in range(n) if self.group_len[i] > 0)
         self.group_bytes = plan.max_pages_per_group() * buf.page_size
-        mapped = set(buf.mapped_groups())
-        self.gstate = bytearray(MAPPED if i in mapped else UNMAPPED for i in range(n))
-        self._unmapped = [i for i in range(n) if i not in mapped and self.group_len[i] > 0]  # a heap
-        self.mapped_count = len(mapped)
-        self._releasing: dict[int, int] = {}  # group -> the boundary that released it
-        self._releasing_ids = 0
+        # The groups' books (states, mapped, released at a boundary, the limit) are the elastic core's.
+        self.groups = ElasticPages(_GroupLink(buf), self.group_len, self.group_bytes, buf.mapped_groups())
         self._empty_since: dict[int, int] = {}  # mapped groups with no live id -> since (agreed clock)
         self._draining: set[int] = set()
         self._outside = 0  # free ids of unmapped and releasing groups (in no list)
         self._parked = torch.empty((0,), dtype=torch.int64, device=device)  # free ids of draining groups
-        self.max_groups = n
-        self.limit: int | None = None
         self.reserve = max(0, settings.ELASTIC_RESERVE_PAGES.get())
         self.release_delay_ns = int(settings.ELASTIC_RELEASE_DELAY_S.get() * 1e9)
-        self._judge_at = 0  # the agreed clock at which the next judgement is due (0: at the first boundary)
+        self._review_at = 0  # the agreed clock at which the next review is due (0: at the first boundary)
         self._was_idle = False
         self.step_seq = 0
         self.lag = 0
@@ -155,6 +152,21 @@ class _ElasticIds:
         self._solo: SegmentLimit | None = None  # the agreement's source when it has nothing to exchange
         self.frozen = False  # stood aside at run time: every group mapped for good
         self._spare = 0
+
+    @property
+    def max_groups(self) -> int:
+        """Groups the limit allows."""
+        return self.groups.max_pages
+
+    @property
+    def limit(self) -> int | None:
+        """The agreed limit in bytes per rank (None: none known)."""
+        return self.groups.limit
+
+    @property
+    def mapped_count(self) -> int:
+        """Groups mapped, those being released included."""
+        return self.groups.mapped_count
 
     # -- what SGLang asks -----------------------------------------------------------------
 
@@ -193,17 +205,22 @@ class _ElasticIds:
 
     def get_all_free_pages(self) -> Any:
         """Every free id (debug census): the free list, staged, parked, and the ids of groups not mapped."""
-        outside = [i for i in range(self.num_groups) if self.gstate[i] in (UNMAPPED, RELEASING)]
-        return torch.cat((super().get_all_free_pages(), self._parked, self._ids_of(outside)))  # type: ignore[misc]
+        outside = self._ids_of(self._outside_groups())
+        return torch.cat((super().get_all_free_pages(), self._parked, outside))  # type: ignore[misc]
+
+    def _outside_groups(self) -> list[int]:
+        """Groups whose free ids are in no list: unmapped, or being released."""
+        state = self.groups.state
+        return [i for i in range(self.num_groups) if state[i] in (UNMAPPED, RELEASING)]
 
     def clear(self) -> None:
         """SGLang's clear (every id free), over the groups mapped now."""
         super().clear()  # type: ignore[misc]
         self._empty_since.clear()
-        self.free_pages = self._ids_of(i for i in range(self.num_groups) if self.gstate[i] == MAPPED)
+        state = self.groups.state
+        self.free_pages = self._ids_of(i for i in range(self.num_groups) if state[i] == MAPPED)
         self._parked = self._ids_of(sorted(self._draining))
-        self._outside = sum(self.group_len[i] for i in range(self.num_groups)
-                            if self.gstate[i] in (UNMAPPED, RELEASING))
+        self._outside = sum(self.group_len[i] for i in self._outside_groups())
         self._recount()
 
     def resize(self, config: Any) -> None:
@@ -222,52 +239,31 @@ class _ElasticIds:
 
     def _recount(self) -> None:
         """What the limit still lets us add to the free list (0 while over it); after every change."""
-        allowed = self.max_groups - self.mapped_count
+        groups = self.groups
+        allowed = groups.max_pages - groups.mapped_count
         if allowed < 0 or self.frozen:
             self._spare = 0
             return
-        k = min(allowed, len(self._unmapped))
-        if k == len(self._unmapped):
-            extra = self._outside - self._releasing_ids
+        unmapped = len(groups.unmapped)
+        k = min(allowed, unmapped)
+        if k == unmapped:
+            extra = self._outside - groups.releasing_units
         else:  # the k lowest unmapped groups hold k full groups, unless the short last one is among them
-            short = self.ids_per_group - self.group_len[self._last] if self.gstate[self._last] == UNMAPPED else 0
+            last = self._last
+            short = self.ids_per_group - self.group_len[last] if groups.state[last] == UNMAPPED else 0
             extra = max(0, k * self.ids_per_group - short)
-        self._spare = self._releasing_ids + extra
+        self._spare = groups.releasing_units + extra
 
     def _grow(self, short: int) -> bool:
         """Add at least `short` ids to the free list: released groups taken back first, then new ones mapped."""
         if short > self._spare:
             return False
-        got = 0
-        back: list[int] = []
-        for i in sorted(self._releasing, reverse=True):
-            if got >= short:
-                break
-            back.append(i)
-            got += self.group_len[i]
-        new: list[int] = []
-        while got < short and self._unmapped:
-            i = heapq.heappop(self._unmapped)
-            new.append(i)
-            got += self.group_len[i]
-        if got < short:  # the spare count promised more than there is: a bug, but never a wrong mapping
-            for i in new:
-                heapq.heappush(self._unmapped, i)
+        # exact: the spare count promising more than there is would be a bug, but never a wrong mapping
+        grown = self.groups.grow(short, exact=True)
+        if grown is None:
             return False
-        if new:
-            try:
-                self.elastic_buf.map_groups(new)
-            except BaseException:
-                for i in new:
-                    heapq.heappush(self._unmapped, i)
-                raise
-        for i in back:
-            del self._releasing[i]
-            self._releasing_ids -= self.group_len[i]
-        for i in back + new:
-            self.gstate[i] = MAPPED
-        self._outside -= got
-        self.mapped_count += len(new)
+        back, new = grown
+        self._outside -= sum(self.group_len[i] for i in back) + sum(self.group_len[i] for i in new)
         self.free_pages = torch.cat((self.free_pages, self._ids_of(back + new)))
         self._recount()
         if new:
@@ -279,6 +275,7 @@ class _ElasticIds:
     def attach(self, group: TPGroup | None, source: SegmentLimit | None = None, *, overlap: bool = False) -> None:
         """Join the TP group whose ranks must map the same pages; `overlap`: a batch may run past the boundary."""
         self.agreement = Agreement(group, source, (self.ids_per_group, self.num_groups, self.group_bytes))
+        self.groups.segment = self.agreement.source  # rank 0 publishes the usage; the others have none
         solo = self.agreement.group is None and self.agreement.clock is monotonic_ns
         self._solo = self.agreement.source if solo else None
         self.lag = 1 if overlap else 0
@@ -301,35 +298,30 @@ class _ElasticIds:
         self.step_seq += 1
         # Every step pays for this method, and pays it cold: the scheduler's own work between two boundaries
         # leaves no cache warm (bench/bench_sglang.py). So the common step reads few attributes and calls
-        # nothing it can skip: the same limit, nothing released, no judgement due.
-        if limit != self.limit:
+        # nothing it can skip: the same limit, nothing released, no review due.
+        groups = self.groups
+        if limit != groups.limit:
             self._apply_limit(limit)
-        releasing = self._releasing
+        releasing = groups.releasing
         if releasing:
             self._release_due(is_idle)
-        over = self.mapped_count - len(releasing) > self.max_groups
+        over = groups.mapped_count - len(releasing) > groups.max_pages
         if over and tree_cache is not None:
             self._evict_for_limit(tree_cache)
-        if over or now >= self._judge_at or self._draining or (is_idle and not self._was_idle):
-            self._judge(now, is_idle)
+        if over or now >= self._review_at or self._draining or (is_idle and not self._was_idle):
+            self._review(now, is_idle)
             self._release_due(is_idle)
             self._publish()
         self._was_idle = is_idle
         return agreed
 
-    def _kept_groups(self) -> int:
-        return self.mapped_count - len(self._releasing)
-
     def _apply_limit(self, limit: int | None) -> None:
-        self.limit = limit
-        groups = self.num_groups if limit is None else min(self.num_groups, max(0, limit) // self.group_bytes)
-        if groups != self.max_groups:
-            self.max_groups = groups
+        if self.groups.set_limit(limit):
             self._recount()
 
     def _evict_for_limit(self, tree_cache: Any) -> None:
         """Over the limit: evict the prefix cache by the excess, so that draining groups can empty."""
-        excess = self._kept_groups() - self.max_groups
+        excess = self.groups.kept - self.groups.max_pages
         evictable = int(tree_cache.evictable_size())
         if excess > 0 and evictable > 0:
             tree_cache.evict(EvictParams(num_tokens=min(evictable, excess * self.ids_per_group * self.page_size)))
@@ -346,27 +338,26 @@ class _ElasticIds:
         ids = torch.cat((self.free_pages, self._parked)) if len(self._parked) else self.free_pages
         return torch.bincount(ids // self.ids_per_group, minlength=self.num_groups).tolist()
 
-    def _judge(self, now: int, idle: bool) -> None:
+    def _review(self, now: int, idle: bool) -> None:
         """Release the groups that hold no live id and are due; drain the excess over the limit."""
-        self._judge_at = now + self.release_delay_ns // 4
+        self._review_at = now + self.release_delay_ns // 4
         if self._draining:
             self._park(self._draining)
         counts = self._census()
-        empty_mapped: list[int] = []
+        state = self.groups.state
         empty_draining: list[int] = []
         for i in range(1, self.num_groups):  # group 0 holds the padding slot: always mapped
-            st = self.gstate[i]
+            st = state[i]
             if st in (MAPPED, DRAINING) and counts[i] == self.group_len[i]:
-                (empty_mapped if st == MAPPED else empty_draining).append(i)
                 if st == MAPPED:
                     self._empty_since.setdefault(i, now)
+                else:
+                    empty_draining.append(i)
             else:
                 self._empty_since.pop(i, None)
-        if self._kept_groups() > self.max_groups:
-            victims = empty_mapped + empty_draining
-        else:
-            victims = empty_draining + [i for i in empty_mapped[self.reserve:]
-                                        if idle or now - self._empty_since[i] >= self.release_delay_ns]
+        victims = empty_draining + due_for_release(self._empty_since, now, reserve=self.reserve,
+                                                   delay=self.release_delay_ns, idle=idle,
+                                                   over=self.groups.kept > self.groups.max_pages)
         if victims:
             self._release(victims)
         self._plan_drain()
@@ -380,18 +371,17 @@ class _ElasticIds:
         self.free_pages = self.free_pages[~mask[self.free_pages // g]]
         if len(self._parked):
             self._parked = self._parked[~mask[self._parked // g]]
+        self.groups.release(groups, self.step_seq)
         for i in groups:
-            self.gstate[i] = RELEASING
-            self._releasing[i] = self.step_seq
-            self._releasing_ids += self.group_len[i]
             self._outside += self.group_len[i]
             self._empty_since.pop(i, None)
             self._draining.discard(i)
 
     def _plan_drain(self) -> None:
         """Keep the lowest groups the limit allows; the others take no new ids until they empty."""
-        kept = [i for i in range(self.num_groups) if self.gstate[i] in (MAPPED, DRAINING)]
-        excess = len(kept) - self.max_groups
+        state = self.groups.state
+        kept = [i for i in range(self.num_groups) if state[i] in (MAPPED, DRAINING)]
+        excess = len(kept) - self.groups.max_pages
         drain = set(kept[::-1][:max(0, excess)]) - {0}
         back = self._draining - drain
         if back:
@@ -400,9 +390,9 @@ class _ElasticIds:
             self.free_pages = torch.cat((self.free_pages, self._parked[moving]))
             self._parked = self._parked[~moving]
             for i in back:
-                self.gstate[i] = MAPPED
+                state[i] = MAPPED
         for i in drain - self._draining:
-            self.gstate[i] = DRAINING
+            state[i] = DRAINING
             self._empty_since.pop(i, None)
         self._draining = drain
         if drain:
@@ -417,52 +407,51 @@ class _ElasticIds:
 
     def _release_due(self, idle: bool) -> None:
         """Unmap the released groups no batch in flight can touch (all of them when nothing runs)."""
-        if not self._releasing:
-            return
-        due = sorted(i for i, seq in self._releasing.items() if idle or self.step_seq >= seq + self.lag)
-        if not due:
-            return
-        self.elastic_buf.unmap_groups(due)
-        for i in due:
-            del self._releasing[i]
-            self._releasing_ids -= self.group_len[i]
-            self.gstate[i] = UNMAPPED
-            heapq.heappush(self._unmapped, i)
-        self.mapped_count -= len(due)
-        self._recount()
-        self._publish(force=True)
+        if self.groups.unmap_released(None if idle else self.step_seq - self.lag):
+            self._recount()
+            self._publish(force=True)
 
     def _freeze(self, why: str) -> None:
         """Stand aside at run time (on every rank alike): map every group for good, no limit."""
-        outside = [i for i in range(self.num_groups) if self.gstate[i] in (UNMAPPED, RELEASING)]
+        outside = self._outside_groups()
         self.elastic_pool.stand_aside(why)
         self.frozen = True
         self.free_pages = torch.cat((self.free_pages, self._parked, self._ids_of(outside)))
         self._parked = self._parked[:0]
-        self.gstate = bytearray(MAPPED for _ in range(self.num_groups))
-        self._unmapped, self._releasing, self._draining = [], {}, set()
-        self._releasing_ids = self._outside = 0
-        self.mapped_count = self.max_groups = self.num_groups
+        self.groups.keep_all()
+        self._draining = set()
+        self._outside = 0
         self._empty_since.clear()
         self._recount()
 
     def _publish(self, force: bool = False) -> None:
         """Used and preallocated memory to the segment (rank 0): groups holding an id, and free mapped ones."""
-        source = self.agreement.source if self.agreement is not None else None
-        if source is None:
-            return
-        idle_groups = len(self._empty_since) + len(self._releasing)
-        source.publish((self.mapped_count - idle_groups) * self.group_bytes, idle_groups * self.group_bytes,
-                       force=force)
+        self.groups.publish(len(self._empty_since), force)
 
     # -- for checks ---------------------------------------------------------------------------
 
     def stats(self) -> ElasticStats:
         """A snapshot of the books."""
         buf = self.elastic_buf
-        return ElasticStats(tuple(buf.mapped_groups()), tuple(sorted(self._releasing)), tuple(sorted(self._draining)),
+        return ElasticStats(tuple(buf.mapped_groups()), tuple(sorted(self.groups.releasing)),
+                            tuple(sorted(self._draining)),
                             self.max_groups, self.group_bytes, buf.mapped_bytes,
                             self.available_ids() * self.page_size, self.schedulable_size())
+
+
+class _GroupLink:
+    """The pool's range as the elastic core's link: map and unmap by group."""
+
+    def __init__(self, buf: Any) -> None:
+        self.buf = buf
+
+    def map(self, groups: Sequence[int]) -> None:
+        """Map `groups` in every layer, all or nothing."""
+        self.buf.map_groups(groups)
+
+    def unmap(self, groups: Sequence[int]) -> None:
+        """Unmap `groups` in every layer."""
+        self.buf.unmap_groups(groups)
 
 
 class ElasticTokenAllocator(_ElasticIds, TokenToKVPoolAllocator):

@@ -23,8 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ...node.errors import KvcachedError, SegmentMissing
-from ...node.segment import LimitWatch, write_segment
+from ...runtime import elastic
 from ..limits import limit_mapper
 
 log = logging.getLogger("kvcached.integration.sglang.elastic")
@@ -70,8 +69,8 @@ def _deployment_segment() -> str | None:
     return layout_from_env().segment_path(name)
 
 
-class SegmentLimit:
-    """Rank 0's segment: the limit, read once per step without a system call, and the usage it publishes.
+class SegmentLimit(elastic.SegmentLimit):
+    """Rank 0's segment (the elastic core's `SegmentLimit`): the limit once per step, and the usage it publishes.
 
     `path` None: the deployment's segment (`_deployment_segment`), looked up
     again at each read until one can be opened; until then there is no limit
@@ -79,65 +78,8 @@ class SegmentLimit:
     """
 
     def __init__(self, path: str | None = None, *, locate: Callable[[], str | None] = _deployment_segment) -> None:
-        self.path = path
-        self._locate = locate
-        self._watch: LimitWatch | None = None
-        self._warned = False
-        self._published: tuple[int, int] | None = None
-
-    def read(self) -> int | None:
-        """The limit in bytes per rank now, or None while there is no segment to read."""
-        watch = self._watch
-        if watch is not None:
-            try:
-                return watch.read()
-            except (KvcachedError, OSError) as e:
-                self._failed(self.path, e)
-                return None
-        path = self.path or self._locate()
-        if path is None:
-            return None
-        watch = LimitWatch(path, mapper=limit_mapper())
-        try:
-            value = watch.read()
-        except (KvcachedError, OSError) as e:
-            watch.close()  # a file that is no segment may have been opened before it was found out
-            self._failed(path, e)
-            return None
-        self.path, self._watch = path, watch
-        return value
-
-    def _failed(self, path: str | None, e: BaseException) -> None:
-        """A read that failed: warned once; a segment gone is looked for again at the next read."""
-        missing = isinstance(e, SegmentMissing)
-        if missing and self._watch is not None:
-            self._watch.close()
-            self._watch = None
-        if not self._warned:
-            if missing:
-                log.warning("kvcached: no limit segment at %s yet; SGLang's capacity is the only limit until it "
-                            "appears", path)
-            else:
-                log.warning("kvcached: cannot read the limit from %s: %s", path, e)
-            self._warned = True
-
-    def publish(self, used: int, prealloc: int, *, force: bool = False) -> None:
-        """Write used/prealloc (bytes per rank) to the segment when they changed. Never raises."""
-        if self._watch is None or self.path is None:
-            return
-        if not force and self._published == (used, prealloc):
-            return
-        try:
-            write_segment(self.path, used=used, prealloc=prealloc)
-            self._published = (used, prealloc)
-        except (KvcachedError, OSError) as e:
-            log.debug("kvcached: cannot publish usage to %s: %s", self.path, e)
-
-    def close(self) -> None:
-        """Close the limit's file (idempotent)."""
-        if self._watch is not None:
-            self._watch.close()
-            self._watch = None
+        super().__init__(path, locate=locate, mapper=limit_mapper(), logger=log,
+                         fallback="SGLang's capacity is the only limit")
 
 
 class Agreement:

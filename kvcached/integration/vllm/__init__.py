@@ -4,7 +4,7 @@
 - `patches`: the registry of the five patches below (`REGISTRY`: apply, revert, report).
 - `engine_state`, `worker_listener`, `owner_cleanup`, `lmcache_shutdown`, `elastic_kv`: one patch each.
 - `kvlayout`: where vLLM's KV cache puts each block's bytes (what `elastic_kv` maps).
-- `blockpool`: `ElasticBlockPool`, a subclass of vLLM's BlockPool (the one module here that imports vLLM at import).
+- `elastic_alloc`: `ElasticBlockPool`, a subclass of vLLM's BlockPool (the one module here that imports vLLM at import).
 - `detect`: vLLM's shutdown conditions and the `vllm` section of kvcached.detect/1.
 - `common`: vLLM's module names and the small readings of its objects the patches share.
 

@@ -125,7 +125,8 @@ def _allocate_elastic(cfg: Any, device: Any, layout: Any, kernel_block_sizes: li
 
 
 def _refuse(why: str) -> None:
-    from kvcached.runtime.kvbuffer import CMD_INFO, set_local_buffer
+    from kvcached.runtime.ipc.protocol import CMD_INFO
+    from kvcached.runtime.kvbuffer import set_local_buffer
 
     log.warning("kvcached: this KV cache stays fully allocated, not elastic: %s", why)
     _refusals.append(why)
@@ -203,7 +204,7 @@ def _make_setup(num_blocks: int) -> Any:
     from kvcached.runtime.kvbuffer import LocalLink, SocketLink, local_buffer
     from kvcached.runtime.pool import MapError
 
-    from .blockpool import ElasticSetup
+    from .elastic_alloc import ElasticSetup
 
     plan = _engine
     assert plan is not None
@@ -234,7 +235,7 @@ def _make_setup(num_blocks: int) -> Any:
 
 def _all_refused(link: Any) -> bool:
     from kvcached.runtime.ipc.client import Client
-    from kvcached.runtime.kvbuffer import CMD_INFO
+    from kvcached.runtime.ipc.protocol import CMD_INFO
 
     return all(not Client(p, 10.0).call(CMD_INFO).get("elastic") for p in link.paths)
 
@@ -246,7 +247,7 @@ def _block_pool(wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: dic
         num_blocks = kwargs.get("num_gpu_blocks", args[0] if args else None)
         setup = _make_setup(int(num_blocks)) if num_blocks is not None else None
         if setup is not None:
-            from .blockpool import ElasticBlockPool
+            from .elastic_alloc import ElasticBlockPool
 
             return ElasticBlockPool(*args, elastic=setup, **kwargs)
     return wrapped(*args, **kwargs)

@@ -65,3 +65,14 @@ def recv_frame(sock: socket.socket, expect: int) -> tuple[int, dict[str, Any]]:
     if not isinstance(obj, dict):
         raise ProtocolError("body is not a JSON object")
     return version, obj
+
+
+# The commands an engine owner sends its workers' listeners (the harness's pool and vLLM's elastic KV buffer
+# speak the same ones, with upstream's names and byte offsets for the pages).
+CMD_CREATE = "create_kv_tensors"
+CMD_CREATED = "kv_tensors_created"
+CMD_MAP = "map_to_kv_tensors"
+CMD_UNMAP = "unmap_from_kv_tensors"
+CMD_MAPPED = "kv_pages_mapped"
+CMD_INFO = "kv_elastic_info"
+CMD_CONFIGURE = "kv_elastic_configure"

@@ -20,11 +20,11 @@ use) stays as it is; the pool adds:
   mapping on its own.
 - Once per scheduler step (`end_step` after ``update_from_output``,
   `begin_step` before ``schedule``), the pages that got blocks back are
-  judged: a page whose blocks are all free, none cached and none still
+  reviewed: a page whose blocks are all free, none cached and none still
   being read (`unpin_blocks`) is released when more than `reserve` such
   pages exist and it stayed free `release_delay` seconds, or at once when
   the scheduler has nothing left to run (no later step would release it).
-  Judging per step, not per freed block, keeps vLLM's hot path almost as it
+  Reviewing per step, not per freed block, keeps vLLM's hot path almost as it
   is; the delay keeps a load that swings by a few pages from unmapping and
   mapping them again every few steps. Neither raises the peak: allocation
   takes the free blocks of mapped pages before it maps another.
@@ -38,6 +38,10 @@ use) stays as it is; the pool adds:
   ``used`` (pages holding an allocated or cached block) and ``prealloc``
   (mapped pages holding none) to it.
 
+The pages' books (states, grow with rollback, release and delayed unmap,
+the limit, the usage) are the elastic core's, `kvcached.runtime.elastic`
+(docs/ELASTIC.md), as for SGLang's allocators and the harness's pool.
+
 A mapping failure (a worker died, the device is out of memory) raises
 `MapError` out of the scheduler, which ends the engine with that error; the
 link undoes partial changes first, so no worker keeps half a page set.
@@ -45,7 +49,6 @@ link undoes partial changes first, so no worker keeps half a page set.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 import weakref
@@ -57,13 +60,11 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvcached.integration.limits import limit_mapper
-from kvcached.node.errors import KvcachedError, SegmentMissing
-from kvcached.node.segment import LimitWatch, write_segment
+from kvcached.node.errors import KvcachedError
+from kvcached.runtime.elastic import MAPPED, ElasticPages, SegmentLimit, due_for_release
 from kvcached.runtime.kvbuffer import LinkSetup, WorkerLink
 
-log = logging.getLogger("kvcached.integration.vllm.blockpool")
-
-UNMAPPED, MAPPED, RELEASING = 0, 1, 2
+log = logging.getLogger("kvcached.integration.vllm.elastic_alloc")
 
 # vLLM's own, for the overrides that add a check around them (called once or a few times per step).
 _vllm_get_new_blocks = BlockPool.get_new_blocks
@@ -127,8 +128,11 @@ def _take_over_usage() -> None:
 class ElasticBlockPool(BlockPool):
     """A BlockPool whose blocks live in pages mapped on demand, under the segment's limit.
 
-    Like vLLM's BlockPool it is used from the scheduler's thread only, so it
-    takes no lock.
+    The pages' books are the elastic core's (`kvcached.runtime.elastic`,
+    `self.pages`); this adapter keeps what only vLLM knows: which blocks of a
+    page are free (vLLM's free block queue), cached or read, and which batches
+    are in flight. Like vLLM's BlockPool it is used from the scheduler's
+    thread only, so it takes no lock.
     """
 
     def __init__(self, *args: Any, elastic: ElasticSetup, **kwargs: Any) -> None:
@@ -136,12 +140,12 @@ class ElasticBlockPool(BlockPool):
         agreed = elastic.agreed
         self.link = elastic.link
         self.segment_path = elastic.segment_path
-        self._limit_watch = LimitWatch(elastic.segment_path, mapper=limit_mapper()) \
-            if elastic.segment_path else None
+        self.segment = SegmentLimit(elastic.segment_path, mapper=limit_mapper(), logger=log,
+                                    fallback="the last limit read stays") if elastic.segment_path else None
         self.reserve = max(0, elastic.reserve_pages)
         self.release_delay = max(0.0, elastic.release_delay)
         self.clock = time.monotonic
-        self._judged_at = float("-inf")
+        self._reviewed_at = float("-inf")
         self.blocks_per_page = g = agreed.blocks_per_page
         self.page_bytes = agreed.group_bytes
         n = self.num_gpu_blocks
@@ -151,28 +155,22 @@ class ElasticBlockPool(BlockPool):
                                 f"the engine's {n} blocks make {self.num_pages}")
         self.sizes = [g] * self.num_pages
         self.sizes[-1] = n - g * (self.num_pages - 1)
-        self.state = bytearray(self.num_pages)
-        self._releasing: dict[int, int] = {}  # page -> InFlight sequence it waits for
-        self._clean: dict[int, float] = {}    # all-free pages still mapped -> since when (as last judged)
-        self._cached: set[int] = set()        # all-free pages that hold prefix-cached blocks
+        mapped = sorted(agreed.mapped_groups)
+        self.pages = ElasticPages(self.link, self.sizes, self.page_bytes, mapped, segment=self.segment)
+        self.state = self.pages.state  # the core's, never replaced for this pool
+        self._idle_since: dict[int, float] = {}  # all-free pages still mapped -> since when (as last reviewed)
+        self._cached: set[int] = set()           # all-free pages that hold prefix-cached blocks
         self.inflight = InFlight()
         self._reporting_all = False
         self._spare = 0
-        mapped = sorted(agreed.mapped_groups)
+        self._over = False  # more pages kept than the limit allows
         for b in self.blocks:
             b.prev_free_block = b.next_free_block = None
         # vLLM's queue, over the blocks of mapped pages only: a block out of the queue
         # has no links, which is how _page_state tells free blocks from taken ones.
         self.free_block_queue = FreeKVCacheBlockQueue(
             [b for p in mapped for b in self._blocks_of(p) if not b.is_null])
-        for p in mapped:
-            self.state[p] = MAPPED
-        self.mapped_count = len(mapped)
-        self._unmapped = [p for p in range(self.num_pages) if not self.state[p]]  # a heap
-        self.limit = self.num_pages * self.page_bytes
-        self.max_pages = self.num_pages
-        self._published: tuple[int, int] | None = None
-        self._missing_warned = False
+        self.pages.set_limit(self.num_pages * self.page_bytes)
         self._refresh_limit()
         self._recount()
         _take_over_usage()
@@ -184,6 +182,22 @@ class ElasticBlockPool(BlockPool):
         g = self.blocks_per_page
         return self.blocks[page * g: page * g + self.sizes[page]]
 
+    @property
+    def mapped_count(self) -> int:
+        """Pages mapped and not being released."""
+        return self.pages.kept
+
+    @property
+    def limit(self) -> int:
+        """The limit followed, in bytes per rank."""
+        limit = self.pages.limit
+        return 0 if limit is None else limit
+
+    @property
+    def max_pages(self) -> int:
+        """Pages the limit allows."""
+        return self.pages.max_pages
+
     # -- what vLLM asks ---------------------------------------------------------------
 
     def get_num_free_blocks(self) -> int:
@@ -194,15 +208,18 @@ class ElasticBlockPool(BlockPool):
 
     def _recount(self) -> None:
         """Blocks the pages the limit still allows would add (-1: over the limit); after every change."""
+        pages = self.pages
+        extra = pages.max_pages - pages.kept
+        self._over = extra < 0
         if self._reporting_all:
-            self._spare = sum(self.sizes[p] for p in range(self.num_pages) if self.state[p] != MAPPED)
+            state = pages.state
+            self._spare = sum(self.sizes[p] for p in range(self.num_pages) if state[p] != MAPPED)
             return
-        extra = self.max_pages - self.mapped_count
         self._spare = -1 if extra < 0 else self._blocks_in_pages(extra)
 
     def _blocks_in_pages(self, k: int) -> int:
         """Blocks that `k` more pages surely hold: the last page of the cache may be short."""
-        k = min(k, len(self._releasing) + len(self._unmapped))
+        k = min(k, len(self.pages.releasing) + len(self.pages.unmapped))
         if k <= 0:
             return 0
         last = self.num_pages - 1
@@ -212,7 +229,7 @@ class ElasticBlockPool(BlockPool):
     def get_usage(self) -> float:
         """Blocks in use over blocks in use plus those `get_num_free_blocks` offers."""
         last = self.num_pages - 1
-        mapped = self.mapped_count * self.blocks_per_page - (
+        mapped = self.pages.kept * self.blocks_per_page - (
             self.blocks_per_page - self.sizes[last] if self.state[last] == MAPPED else 0)
         held = max(0, mapped - self.free_block_queue.num_free_blocks - 1)
         total = held + self.get_num_free_blocks()
@@ -229,9 +246,9 @@ class ElasticBlockPool(BlockPool):
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """vLLM's free; over the limit, the pages it empties are released at once."""
-        # Nothing per block (bench_elastic.py): pages are judged by _trim, a few times a second.
+        # Nothing per block (bench_elastic.py): pages are reviewed by _trim, a few times a second.
         _vllm_free_blocks(self, ordered_blocks)
-        if self.mapped_count > self.max_pages:
+        if self._over:
             self._trim()
 
     def reset_prefix_cache(self) -> bool:
@@ -248,39 +265,13 @@ class ElasticBlockPool(BlockPool):
     # -- mapping -----------------------------------------------------------------------
 
     def _grow(self, short: int) -> None:
-        """Bring `short` more blocks into the queue: pages being released first, then new ones."""
-        if self.mapped_count >= self.max_pages:
+        """Bring `short` more blocks into the queue: pages being released first, then new ones (the core's)."""
+        grown = self.pages.grow(short)
+        if grown is None:
             return
-        allowed = self.max_pages - self.mapped_count
-        back: list[int] = []
-        got = 0
-        # Pages waiting to be unmapped are still mapped everywhere: take them back.
-        for p in sorted(self._releasing, reverse=True):
-            if got >= short or len(back) >= allowed:
-                break
-            back.append(p)
-            got += self.sizes[p]
-        for p in back:
-            del self._releasing[p]
-        new: list[int] = []
-        room = self.max_pages - self.mapped_count - len(self._releasing) - len(back)
-        while got < short and len(new) < room and self._unmapped:
-            p = heapq.heappop(self._unmapped)
-            new.append(p)
-            got += self.sizes[p]
-        if new:
-            try:
-                self.link.map(new)
-            except BaseException:
-                for p in new:
-                    heapq.heappush(self._unmapped, p)
-                for p in back:
-                    self._releasing[p] = self.inflight.issued
-                raise
+        back, new = grown
         for p in back + new:
-            self.state[p] = MAPPED
             self.free_block_queue.prepend_n(self._blocks_of(p))
-        self.mapped_count += len(back) + len(new)
         self._recount()
         if new:
             self._publish(force=True)
@@ -299,47 +290,50 @@ class ElasticBlockPool(BlockPool):
                 cached = True
         return 2 if cached else 1
 
+    def _review(self) -> None:
+        """Which mapped pages are all free (since when), and which of those hold cached blocks."""
+        now = self._reviewed_at = self.clock()
+        idle_since, cached = self._idle_since, self._cached
+        state = self.state
+        for p, st in enumerate(state):
+            if st != MAPPED:
+                continue
+            page_state = self._page_state(p)
+            if page_state == 1:
+                idle_since.setdefault(p, now)
+            else:
+                idle_since.pop(p, None)
+            if page_state == 2:
+                cached.add(p)
+            else:
+                cached.discard(p)
+        for p in [p for p in idle_since if state[p] != MAPPED]:
+            del idle_since[p]
+
     def _trim(self, idle: bool = False) -> None:
         """Release all-free pages beyond the reserve that stayed free `release_delay` (at once if `idle`).
 
         Over the limit, every all-free page goes at once, the reserve too, and
         then pages holding only cached blocks (evicted) until the mapping fits.
-        Every mapped page is judged: a page in use is told by its first taken
+        Every mapped page is reviewed: a page in use is told by its first taken
         block, so this costs about a block's check per busy page, and nothing
         on vLLM's per-block paths.
         """
-        now = self._judged_at = self.clock()
-        over = self.mapped_count - self.max_pages
-        clean = self._clean
-        for p, st in enumerate(self.state):
-            if st != MAPPED:
-                continue
-            judged = self._page_state(p)
-            if judged == 1:
-                clean.setdefault(p, now)
-            else:
-                clean.pop(p, None)
-            if judged == 2:
-                self._cached.add(p)
-            else:
-                self._cached.discard(p)
-        for p in [p for p in clean if self.state[p] != MAPPED]:
-            del clean[p]
-        if over > 0:
-            victims = sorted(clean)
-        else:
-            # Keep the lowest pages as the reserve: the heap hands the lowest out first anyway.
-            victims = [p for p in sorted(clean)[self.reserve:] if idle or now - clean[p] >= self.release_delay]
+        self._review()
+        over = self.pages.kept - self.pages.max_pages
+        victims = due_for_release(self._idle_since, self._reviewed_at, reserve=self.reserve,
+                                  delay=self.release_delay, idle=idle, over=over > 0)
         forced: list[int] = []
+        state = self.state
         if over > len(victims):
             forced = [p for p in sorted(self._cached, reverse=True)
-                      if self.state[p] == MAPPED and self._page_state(p) == 2][: over - len(victims)]
+                      if state[p] == MAPPED and self._page_state(p) == 2][: over - len(victims)]
         if not victims and not forced:
             return
         q = self.free_block_queue
         for p in victims + forced:
             blocks = self._blocks_of(p)
-            self._clean.pop(p, None)
+            self._idle_since.pop(p, None)
             if p in self._cached:
                 self._cached.discard(p)
                 # Readers of unpinned blocks are told, as when vLLM reuses a block.
@@ -349,27 +343,17 @@ class ElasticBlockPool(BlockPool):
                         self._maybe_evict_cached_block(b)
             for b in blocks:
                 q.remove(b)
-            self.state[p] = RELEASING
-            self._releasing[p] = self.inflight.issued
-        self.mapped_count -= len(victims) + len(forced)
+        self.pages.release(victims + forced, self.inflight.issued)
         self._recount()
         self.release_finished()
 
     def release_finished(self) -> None:
         """Unmap released pages that no running batch can touch any more."""
-        if not self._releasing:
+        if not self.pages.releasing:
             return
-        done = self.inflight.finished_through()
-        pages = sorted(p for p, seq in self._releasing.items() if seq <= done)
-        if not pages:
-            return
-        self.link.unmap(pages)
-        for p in pages:
-            del self._releasing[p]
-            self.state[p] = UNMAPPED
-            heapq.heappush(self._unmapped, p)
-        self._recount()
-        self._publish(force=True)
+        if self.pages.unmap_released(self.inflight.finished_through()):
+            self._recount()
+            self._publish(force=True)
 
     # -- the step and the segment ------------------------------------------------------
 
@@ -378,20 +362,14 @@ class ElasticBlockPool(BlockPool):
         # Once per step, on every serve's path (bench_elastic.py, "scheduler step"): the limit
         # read is a load from the mapped segment (one pread without the extension); the rest
         # is done only when the limit moved or pages are waiting.
-        watch = self._limit_watch
-        if watch is not None:
-            try:
-                limit = watch.read()
-            except (KvcachedError, OSError) as e:
-                self._unreadable(e)
-            else:
-                if self._missing_warned:
-                    self._missing_warned = False
-                if limit != self.limit:
-                    self._set_limit(limit)
-        if self.mapped_count > self.max_pages:
+        segment = self.segment
+        if segment is not None:
+            limit = segment.read()
+            if limit is not None and limit != self.pages.limit:
+                self._set_limit(limit)
+        if self._over:
             self.end_step()
-        elif self._releasing:
+        elif self.pages.releasing:
             self.release_finished()
 
     def end_step(self, idle: bool = False) -> None:
@@ -400,68 +378,38 @@ class ElasticBlockPool(BlockPool):
         `idle`: the scheduler has no request left, so no step will come to
         release pages later: release everything beyond the reserve now.
         """
-        if self._releasing:
+        if self.pages.releasing:
             self.release_finished()
-        # While requests run, judging pages more often than a quarter of the delay buys
-        # nothing (a page must stay free that long) and judging is most of a step's cost
-        # (bench_elastic.py): judge at that pace, at once when idle or over the limit.
-        if idle or self.mapped_count > self.max_pages or \
-                self.clock() - self._judged_at >= self.release_delay * 0.25:
+        # While requests run, reviewing pages more often than a quarter of the delay buys
+        # nothing (a page must stay free that long) and reviewing is most of a step's cost
+        # (bench_elastic.py): review at that pace, at once when idle or over the limit.
+        if idle or self._over or self.clock() - self._reviewed_at >= self.release_delay * 0.25:
             self._trim(idle)
-            self._publish()  # the used/prealloc split moves only when pages are judged
+            self._publish()  # the used/prealloc split moves only when pages are reviewed
 
     def _refresh_limit(self) -> None:
-        """Read the limit from the segment now and follow it."""
-        if self._limit_watch is None:
+        """Read the limit from the segment now and follow it (an unreadable one keeps the last: guessing a
+        bigger one could take memory an operator withdrew)."""
+        if self.segment is None:
             return
-        try:
-            limit = self._limit_watch.read()
-        except (KvcachedError, OSError) as e:
-            self._unreadable(e)
-            return
-        self._missing_warned = False
-        self._set_limit(limit)
-
-    def _unreadable(self, e: Exception) -> None:
-        """The limit could not be read: keep the last one (guessing a bigger one could take memory an operator
-        withdrew), and say so (once while the segment is missing)."""
-        if isinstance(e, SegmentMissing):
-            if not self._missing_warned:
-                log.warning("kvcached: no limit segment at %s; keeping the limit of %d bytes until it appears",
-                            self.segment_path, self.limit)
-                self._missing_warned = True
-            return
-        log.warning("kvcached: cannot read the limit from %s (%s); keeping %d", self.segment_path, e, self.limit)
+        limit = self.segment.read()
+        if limit is not None:
+            self._set_limit(limit)
 
     def _set_limit(self, limit: int) -> None:
-        self.limit = limit
-        max_pages = min(self.num_pages, max(0, limit) // self.page_bytes)
-        if max_pages != self.max_pages:
-            self.max_pages = max_pages
+        if self.pages.set_limit(limit):
             self._recount()
 
     def _publish(self, force: bool = False) -> None:
-        if self.segment_path is None:
-            return
-        prealloc = (len(self._clean) + len(self._releasing)) * self.page_bytes
-        used = (self.mapped_count + len(self._releasing)) * self.page_bytes - prealloc
-        if not force and self._published == (used, prealloc):
-            return
-        try:
-            write_segment(self.segment_path, used=used, prealloc=prealloc)
-            self._published = (used, prealloc)
-        except SegmentMissing:
-            pass  # warned when the limit was read
-        except (KvcachedError, OSError) as e:
-            log.warning("kvcached: cannot publish usage to %s: %s", self.segment_path, e)
+        self.pages.publish(len(self._idle_since), force)
 
     # -- for checks --------------------------------------------------------------------
 
     def mapped_pages(self) -> list[int]:
         """Pages mapped on the workers now (including those waiting to be unmapped)."""
-        return [p for p in range(self.num_pages) if self.state[p] != UNMAPPED]
+        return self.pages.mapped_pages()
 
     @property
     def mapped_bytes(self) -> int:
         """Memory mapped per rank (an upper bound: neighbouring pages may share memory)."""
-        return (self.mapped_count + len(self._releasing)) * self.page_bytes
+        return self.pages.mapped_bytes
