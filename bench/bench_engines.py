@@ -40,7 +40,7 @@ from bench_gc import make_stale_node
 
 from kvcached.node.cleanup import execute, plan
 from kvcached.node.decide import Policy
-from kvcached.node.engines import execute_engines, plan_engines
+from kvcached.node.engines import plan_engines
 from kvcached.node.facts import gather_facts
 from kvcached.node.layout import Layout
 
@@ -195,9 +195,9 @@ def bench_engine_pass(quick: bool, files: int, procs: int) -> None:
         def with_engines() -> None:
             f = gather_facts()
             execute(plan(layout, policy, facts=f), dry_run=True)
-            execute_engines(plan_engines(layout, policy, facts=f), dry_run=True)
+            execute(plan_engines(layout, policy, facts=f), dry_run=True)
 
-        check = execute_engines(plan_engines(layout, policy), dry_run=True)
+        check = execute(plan_engines(layout, policy), dry_run=True)
         for _ in range(3 if quick else 9):  # interleaved, so that a noisy moment hits all alike
             timed("bare", lambda: _bare_floor(layout))
             timed("facts", gather_facts)

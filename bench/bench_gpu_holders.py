@@ -34,7 +34,7 @@ import tempfile
 import time
 
 from kvcached.node.cleanup import execute
-from kvcached.node.engines import execute_engines, plan_engines
+from kvcached.node.engines import plan_engines
 from kvcached.node.facts import gather_facts
 from kvcached.node.gcrun import make_plan
 from kvcached.node.gpu import find_holders, prepare
@@ -84,8 +84,7 @@ def _gc(layout: Layout, *, gpu: bool) -> tuple[float, float]:
         tg = time.perf_counter()
         find_holders(facts, maps=None)  # as gc's GPU step asks (gpu/gcstep.py)
         g = time.perf_counter() - tg
-    execute(p, dry_run=True)
-    execute_engines(ep, dry_run=True)
+    execute(p, ep, dry_run=True)
     return time.perf_counter() - t, g
 
 

@@ -86,16 +86,17 @@ def host_pass(root: str) -> int:
     """gc --engines --dry-run over the host's one directory; entries judged."""
     from kvcached.node.cleanup import execute, plan
     from kvcached.node.decide import Policy
-    from kvcached.node.engines import execute_engines, plan_engines
+    from kvcached.node.engines import plan_engines
     from kvcached.node.facts import gather_facts
     from kvcached.node.layout import Layout
+    from kvcached.node.report import Source
 
     layout, policy = Layout(root), Policy(grace=60)
     facts = gather_facts()
     p = plan(layout, policy, facts=facts)
     ep = plan_engines(layout, policy, facts=facts)
-    execute(p, dry_run=True)
-    return len(execute_engines(ep, dry_run=True).entries)
+    engines = execute(p, ep, dry_run=True).part(Source.ENGINES)
+    return len(engines.entries) if engines is not None else 0
 
 
 def places_pass(root: str, kubelet: str) -> int:
@@ -105,13 +106,14 @@ def places_pass(root: str, kubelet: str) -> int:
     from kvcached.node.facts import gather_facts
     from kvcached.node.layout import Layout
     from kvcached.node.places.run import execute_places, plan_places
+    from kvcached.node.report import Source
 
     layout, policy = Layout(root), Policy(grace=60)
     facts = gather_facts()
     host = plan(layout, policy, facts=facts)
     pp = plan_places(layout, policy, facts, engines=True, kubelet_dir=kubelet, host_plan=host)
     results = execute_places(pp, dry_run=True)
-    return sum(len(r.engines.entries) for r in results if r.engines is not None)
+    return sum(r.report.count(source=Source.ENGINES) for r in results if r.report is not None)
 
 
 def main() -> int:

@@ -15,11 +15,9 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvcached.node.cleanup import Report
     from kvcached.node.diagnostics import CheckResult
-    from kvcached.node.engines import EngineEntry, EngineReport
     from kvcached.node.gcrun import GcResult
-    from kvcached.node.report import Entry
+    from kvcached.node.report import Entry, Report
     from kvcached.node.segment import SegmentInfo
     from kvcached.node.view import DeploymentView, NodeView
 
@@ -60,16 +58,17 @@ class EntryRows(list):  # list[dict[str, Any]]: the rows of Entry.to_dict
     the list is read as a list (building them was a visible share of `kvctl gc --dry-run
     --json` end to end, bench/bench_gc.py; bench/README.md). Every list operation makes them
     first (json.dumps' C encoder, too, reads a list subclass through
-    `__iter__`). Rows appended later (`+=`, as gc --engines appends the
-    engines' entries) are written by json.dumps. tests/cli/test_documents.py
-    checks that both say the same.
+    `__iter__`). It takes kvcached's entries (their fields are the fast
+    path's); rows appended later (`+=`, as a report's other sources append
+    theirs, `Entry.to_dict`) are written by json.dumps.
+    tests/cli/test_documents.py checks that both say the same.
     """
 
     # A list made without __init__ (unpickled: the rows come in before the attributes) is a plain list of rows.
-    entries: Sequence[Entry] = ()
+    entries: Sequence[Entry[Any]] = ()
     _made = True
 
-    def __init__(self, entries: Sequence[Entry]) -> None:
+    def __init__(self, entries: Sequence[Entry[Any]]) -> None:
         super().__init__()
         self.entries = entries
         self._made = False
@@ -170,10 +169,24 @@ def _holds_rows(obj: Any) -> bool:
         any(isinstance(v, EntryRows) or _holds_rows(v) for v in obj.values())
 
 
+def entry_rows(report: Report) -> EntryRows:
+    """A report's entries as its documents list them: kvcached's (the fast rows), then every other source's."""
+    from kvcached.node.report import Source
+
+    ours = report.part(Source.KVCACHED)
+    rows = EntryRows(ours.entries if ours is not None else ())
+    for source in report.sources:
+        theirs = report.part(source) if source is not Source.KVCACHED else None
+        if theirs is not None:
+            rows += [e.to_dict() for e in theirs.entries]
+    return rows
+
+
 def _report(schema: str, root: str, report: Report, dry_run: bool, code: IntEnum, **extra: Any) -> dict[str, Any]:
     # What gc and delete documents share, in the order docs/KVCTL.md §9 shows them; gc adds its orphans before errors.
+    # The summary counts every source's entries, and each further source's alone under its name (`engines`).
     return {"schema": schema, "root": root, "dry_run": dry_run,
-            "entries": EntryRows(report.entries), "summary": report.summary(), **extra,
+            "entries": entry_rows(report), "summary": report.summary(), **extra,
             "errors": report.errors, "exit_code": int(code)}
 
 
@@ -184,54 +197,51 @@ def gc_document(root: str, result: GcResult, code: IntEnum) -> dict[str, Any]:
                   orphans=[{"deployment": d.name, **o.to_dict()} for d, o in result.orphans],
                   killed=[k.to_dict() for k in result.killed],
                   blind=result.sight.to_dict() if result.sight is not None else None)
-    if result.engines is not None:
-        _add_engines(doc, result.report, result.engines)
     if result.places is not None:
         _add_places(doc, result)
     return doc
 
 
+def _add_counts(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Another place's summary counted into this one's (states, actions and bytes by key; entries)."""
+    for key in ("states", "actions", "bytes"):
+        if key in mine and key in theirs:
+            mine[key] = {k: n + theirs[key].get(k, 0) for k, n in mine[key].items()}
+    for key in ("entries", "removed_bytes"):
+        if key in mine and key in theirs:
+            mine[key] += theirs[key]
+    mine["timed_out"] = mine["timed_out"] or theirs["timed_out"]
+
+
 def _add_places(doc: dict[str, Any], result: GcResult) -> None:
-    """gc -A: every entry carries its place; the other places' entries follow the host's; the places are listed."""
+    """gc -A: every entry carries its place; the other places' entries follow the host's; the places are listed.
+
+    The summary counts every place's entries (and `summary.engines` every place's engine leftovers).
+    """
     from kvcached.node.places.discover import HOST
     from kvcached.node.places.run import PlaceResult
+    from kvcached.node.report import Source
 
     host = {**HOST.to_dict(), "path": doc["root"]}
     rows = [{**row, "place": host} for row in doc["entries"]]
     summary: dict[str, Any] = doc["summary"]
     errors: list[str] = doc["errors"]
-    listed = [PlaceResult(HOST, result.report, result.engines).to_dict() | {"path": doc["root"]}]
+    listed = [PlaceResult(HOST, result.report).to_dict() | {"path": doc["root"]}]
     for r in result.places or ():
-        where = r.place.to_dict()
-        for part in (r.report, r.engines):
-            if part is None:
-                continue
-            rows += [{**e.to_dict(), "place": where} for e in part.entries]
-            theirs = part.summary()
-            for key in ("states", "actions"):
-                summary[key] = {k: n + theirs[key].get(k, 0) for k, n in summary[key].items()}
-            summary["entries"] += theirs["entries"]
-            summary["timed_out"] = summary["timed_out"] or theirs["timed_out"]
-            errors += [e for e in part.errors if e not in errors]
         listed.append(r.to_dict())
+        if r.report is None:
+            continue
+        where = r.place.to_dict()
+        rows += [{**e.to_dict(), "place": where} for e in r.report.entries]
+        _add_counts(summary, r.report.summary())
+        engines = r.report.part(Source.ENGINES) if "engines" in summary else None
+        if engines is not None:
+            _add_counts(summary["engines"], engines.summary())
+        errors += [e for e in r.report.errors if e not in errors]
     errors += [e for e in result.place_errors if e not in errors]
     summary["errors"] = len(errors)
     doc["entries"] = rows
     doc["places"] = listed
-
-
-def _add_engines(doc: dict[str, Any], report: Report, engines: EngineReport) -> None:
-    """Engine entries after kvcached's; the summary counts both, and `summary.engines` the engines' alone."""
-    doc["entries"] += [e.to_dict() for e in engines.entries]
-    # Both plans read one /proc pass, so its errors are in both lists: each is reported once.
-    doc["errors"] = list(dict.fromkeys(report.errors + engines.errors))
-    mine: dict[str, Any] = doc["summary"]
-    theirs: dict[str, Any] = engines.summary()
-    for key in ("states", "actions"):
-        mine[key] = {k: n + theirs[key][k] for k, n in mine[key].items()}
-    mine.update(entries=mine["entries"] + theirs["entries"], errors=len(doc["errors"]),
-                timed_out=mine["timed_out"] or theirs["timed_out"],
-                seconds=round(max(report.finished, engines.finished) - report.started, 4), engines=theirs)
 
 
 def delete_document(root: str, report: Report, code: IntEnum) -> dict[str, Any]:
@@ -243,7 +253,7 @@ def _inspect(view: NodeView) -> dict[str, Any]:
     return {"schema": "kvctl.inspect/1", **view.to_dict()}
 
 
-def inspect_document(view: NodeView, pid: int | None, engines: Sequence[EngineEntry] = (), gpu: Any = None,
+def inspect_document(view: NodeView, pid: int | None, engines: Sequence[Entry[Any]] = (), gpu: Any = None,
                      places: Sequence[Any] | None = None) -> dict[str, Any]:
     """`inspect --json` (inspect.json): the node's view, the `--pid` it was seen through, the engines' leftovers,
     the GPU holders (kvcached.node.gpu.GpuReport).
@@ -284,7 +294,7 @@ def demo_document(root: str, name: str, view: NodeView, report: Report, left: Se
                   code: IntEnum) -> dict[str, Any]:
     """`demo --json` (demo.json): what inspect saw after the crash, what gc did, and what is left."""
     return {"schema": "kvctl.demo/1", "root": root, "name": name, "inspect": _inspect(view),
-            "gc": {"entries": EntryRows(report.entries), "summary": report.summary()},
+            "gc": {"entries": entry_rows(report), "summary": report.summary()},
             "left": list(left), "clean": not left, "exit_code": int(code)}
 
 

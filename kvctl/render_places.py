@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .render import Out, render_report, render_view
+from .render import Out, render_view
 
 
 def _heading(out: Out, place: Any, stale_bytes: int, stale: int) -> None:
@@ -17,16 +17,20 @@ def _heading(out: Out, place: Any, stale_bytes: int, stale: int) -> None:
     out.line((f"== {place.label}", "bold"), dead)
 
 
+def _with_all(hint: Callable[[str], str]) -> Callable[[str], str]:
+    """The hints name the command that reaches the place: -A for every place but the host's."""
+    return lambda c: hint(c.replace("gc ", "gc -A ", 1) if c.startswith("gc ") else c)
+
+
 def render_places_view(out: Out, places: Sequence[Any], *, now: float, hint: Callable[[str], str]) -> None:
     """inspect -A: each place (places.run.PlaceView), its deployments and engine leftovers, what could not be read."""
-    from .render_engines import render_engine_view
+    from .render_sources import render_engine_view
 
     for i, pv in enumerate(places):
         if i:
             out.blank()
         d = pv.to_dict()
         _heading(out, pv.place, d["stale_bytes"], d["stale_entries"])
-        # The hints name the command that reaches the place: -A for every place but the host's.
         here = hint if pv.place.is_host else _with_all(hint)
         if pv.view is not None and (pv.place.is_host or pv.view.deployments or pv.view.unowned):
             render_view(out, pv.view, now=now, hint=here)
@@ -40,34 +44,35 @@ def render_places_view(out: Out, places: Sequence[Any], *, now: float, hint: Cal
     out.line(f"{found} place{'' if found == 1 else 's'} besides the host's")
 
 
-def _with_all(hint: Callable[[str], str]) -> Callable[[str], str]:
-    return lambda c: hint(c.replace("gc ", "gc -A ", 1) if c.startswith("gc ") else c)
-
-
 def render_places_report(out: Out, result: Any, *, verbose: bool, terminal: bool) -> None:
     """gc -A: the host's report, then each other place's (kvcached's entries, then the engines')."""
+    from kvcached.node.places.discover import HOST
     from kvcached.node.places.run import PlaceResult
 
-    from .render_engines import render_engine_report
+    from .render_sources import render_run
 
-    host = PlaceResult(_host(), result.report, result.engines)
-    for i, r in enumerate([host, *(result.places or ())]):
+    for i, r in enumerate([PlaceResult(HOST, result.report), *(result.places or ())]):
         if i:
             out.blank()
         d = r.to_dict()
         _heading(out, r.place, d["stale_bytes"], d["stale_entries"])
         if r.report is not None and (r.place.is_host or r.report.entries):
-            render_report(out, r.report, verbose=verbose, by_deployment=terminal)
-        if r.engines is not None and (r.place.is_host or r.engines.entries):
-            render_engine_report(out, r.engines, verbose=verbose, by_engine=terminal)
+            render_run(out, r.report, verbose=verbose, grouped=terminal)
     for err in result.place_errors:
         out.line(("could not read: ", "yellow"), err)
 
 
-def _host() -> Any:
-    from kvcached.node.places.discover import HOST
+def render_places_preview(out: Out, places: Sequence[Any], *, verbose: bool) -> None:
+    """gc -A's question: what each other place's dry run would remove, under its heading."""
+    from .render_sources import render_run
 
-    return HOST
+    for r in places:
+        if r.report is None or not r.report.entries:
+            continue
+        out.blank()
+        d = r.to_dict()
+        _heading(out, r.place, d["stale_bytes"], d["stale_entries"])
+        render_run(out, r.report, verbose=verbose, grouped=True)
 
 
 def places_summary_line(result: Any) -> str:
@@ -79,10 +84,10 @@ def places_summary_line(result: Any) -> str:
     places = result.places or ()
     n = acted = held = 0
     for r in places:
-        here = sum(part.count(action=gone) for part in (r.report, r.engines) if part is not None)
+        here = r.report.count(action=gone) if r.report is not None else 0
         n += here
         acted += bool(here)
-        held += r.engines.bytes(action=gone) if r.engines is not None else 0
+        held += r.report.bytes(action=gone) if r.report is not None else 0
     verb = "would remove" if result.dry_run else "removed"
     return f"places: {len(places)} besides the host's, {verb} {n}" + (
         f" ({format_size(held)}) in {acted}" if n else "")
@@ -90,12 +95,8 @@ def places_summary_line(result: Any) -> str:
 
 def log_places(result: Any) -> None:
     """What cron must see of gc -A's other places: each one's failures and summary, where it had entries."""
-    from .render import log_report
-    from .render_engines import log_engine_report
+    from .render_sources import log_run
 
     for r in result.places or ():
-        command = f"kvctl gc -A [{r.place.label}]"
         if r.report is not None and r.report.entries:
-            log_report(r.report, command)
-        if r.engines is not None and r.engines.entries:
-            log_engine_report(r.engines, command)
+            log_run(r.report, f"kvctl gc -A [{r.place.label}]")

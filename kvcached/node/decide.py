@@ -15,6 +15,7 @@ from functools import cached_property
 from .enums import State, StrEnum
 from .facts import START_SLACK, Facts
 from .naming import default_name_pgid
+from .report import Decision
 from .scan import Candidate, FileType, Kind
 from .sockdiag import Bind
 from .units import entries
@@ -79,14 +80,6 @@ class Policy:
     @cached_property
     def is_root(self) -> bool:
         return self.effective_uid == 0
-
-
-@dataclass(frozen=True)
-class Decision:
-    state: State
-    reason: Reason
-    detail: str
-    pids: tuple[int, ...] = ()
 
 
 def _d(state: State, reason: Reason, detail: str, pids: Sequence[int] = ()) -> Decision:

@@ -70,6 +70,13 @@ class Engine(StrEnum):
     CUDA = "cuda"
 
 
+# Each engine leftover's kind to its engine (every family of a kind is one engine's: engines/families.py).
+ENGINE_OF: dict[Kind | EngineKind, Engine] = {
+    EngineKind.VLLM_SHM: Engine.VLLM, EngineKind.VLLM_IPC: Engine.VLLM, EngineKind.SGLANG_SHM: Engine.SGLANG,
+    EngineKind.SGLANG_IPC: Engine.SGLANG, EngineKind.NCCL_SHM: Engine.NCCL, EngineKind.CUDA_SHM: Engine.CUDA,
+}
+
+
 class Outcome(StrEnum):
     """How a gc or delete run ended; kvctl maps each to one exit code."""
 

@@ -2,9 +2,10 @@
 
 `run_gc(options, ...)`: the node's lock, one plan, orphans killed (and the
 plan made again), the operator's confirmation, the time budget, metrics, and
-an outcome. With `engines` (kvctl gc --engines) the same run also plans and
-acts on the engines' own leftovers (kvcached.node.engines) from the same /proc
-pass, under the same lock, confirmation and time budget; without it the
+an outcome. With `engines` (kvctl gc --engines) the same run also plans the
+engines' own leftovers (kvcached.node.engines) from the same /proc pass, and
+one guarded act (cleanup.execute) acts on both plans under the same lock,
+confirmation and time budget, into one report (report.py); without it the
 engine pass is never imported. `run_delete(...)`: one deployment, through the same decisions,
 with delete's own rules for live, foreign and doubtful entries. Questions to
 the operator are callbacks: the core never reads a terminal.
@@ -32,9 +33,10 @@ from .report import Report
 if TYPE_CHECKING:
     from .cleanup import Plan
     from .decide import Decision
-    from .engines import EnginePlan, EngineReport
+    from .engines import EnginePlan
     from .facts import Facts
     from .metrics import Sink
+    from .report import SourcePlan
     from .sight import Sight
 
 
@@ -92,22 +94,21 @@ class GcOptions:
 class GcResult:
     """What one gc run found, did and how it ended."""
 
-    report: Report
+    report: Report                     # every source's entries (kvcached's, then the engines' when judged)
     dry_run: bool                      # what the run really was (a run not confirmed is a dry run)
     outcome: Outcome
     orphans: list[Any] = field(default_factory=list)    # (DeploymentView, ProcessView)
     killable: set[int] = field(default_factory=set)     # orphan pids kvctl may terminate
     killed: list[Any] = field(default_factory=list)     # orphans.KillResult
     declined: bool = False             # stale entries remain because nobody confirmed
-    engines: EngineReport | None = None  # the engine leftovers' report, when the run judged them
-    places: list[Any] | None = None    # -A: each place's PlaceResult but the host's, which is `report`/`engines`
+    places: list[Any] | None = None    # -A: each place's PlaceResult but the host's, whose entries are `report`'s
     place_errors: list[str] = field(default_factory=list)  # -A: what could not be read while finding places
     sight: Sight | None = None         # what the run could not see (sight.py): blind when it has reasons
     gpu: Any = None                    # gpu.GpuReport: the GPU holders, when the run judged engines
 
 
-# (plan, the same plan as a dry run) -> remove?; None: nobody to ask (cron), so do not remove.
-# A run that judges engine leftovers passes their dry run too, as the keyword `engines`.
+# (the run's plans acted on as a dry run) -> remove?; None: nobody to ask (cron), so do not remove.
+# gc -A passes every other place's dry run too, as the keyword `places` (places.run.PlaceResult each).
 Confirm = Callable[..., bool]
 ConfirmKill = Callable[[list[Any]], bool]
 
@@ -146,14 +147,11 @@ def _orphans(p: Plan) -> tuple[list[Any], set[int], list[Any]]:
     return view.orphans, {o.pid for _, o in targets}, targets
 
 
-def outcome_of(report: Report, killed: Sequence[Any] = (), engines: EngineReport | None = None,
-               places: Sequence[Any] = ()) -> Outcome:
-    """Failures first, then stale entries left (kvcached's, the engines' when judged; -A: any place's), else clean."""
-    if report.failures or any(k.outcome is KillOutcome.FAILED for k in killed) or (
-            engines is not None and engines.failures) or any(r.failed for r in places):
+def outcome_of(report: Report, killed: Sequence[Any] = (), places: Sequence[Any] = ()) -> Outcome:
+    """Failures first (of any source's entries, a kill, or -A: any place's), then stale entries left, else clean."""
+    if report.failures or any(k.outcome is KillOutcome.FAILED for k in killed) or any(r.failed for r in places):
         return Outcome.PARTIAL_FAILURE
-    if report.stale_remaining or (engines is not None and engines.stale_remaining) or any(
-            r.stale_left for r in places):
+    if report.stale_remaining or any(r.stale_left for r in places):
         return Outcome.STALE_REMAIN
     return Outcome.CLEAN
 
@@ -170,9 +168,8 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
     """Lock, plan, (kill orphans, plan again), confirm, act within the time budget, write metrics.
 
     Raises gclock.LockBusy (metrics say so first), NoMatch, BadRequest, and
-    the errors of a bad metrics target before doing any work. With engine
-    leftovers asked for, `confirm` is called as confirm(plan, preview,
-    engines=engine_preview).
+    the errors of a bad metrics target before doing any work. `confirm` sees
+    the run's plans acted on as a dry run (engine leftovers too, when asked for).
     """
     check_options(opts)
     started, wall_start = time.monotonic(), time.time()
@@ -214,7 +211,7 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
 
         metrics.write_report(opts.prometheus, result.report,
                              success=result.outcome is Outcome.CLEAN and not result.dry_run,
-                             orphans=len(result.orphans), started=wall_start, engines=result.engines,
+                             orphans=len(result.orphans), started=wall_start,
                              sink=opts.metrics_sink, blind=result.sight is not None and result.sight.blind,
                              gpu=result.gpu, places=result.places)
     return result
@@ -234,27 +231,21 @@ def _engine_plan(opts: GcOptions, p: Plan) -> EnginePlan:
                         proc_root=opts.proc_root)
 
 
-def _ask(confirm: Confirm, p: Plan, ep: EnginePlan | None, pp: Any = None) -> bool:
-    """The operator's word on the plan, shown as the same plan run dry (-A: every place's too)."""
+def _any_stale(plans: Sequence[SourcePlan], pp: Any = None) -> bool:
+    """Whether the plans would remove anything (-A: in any place)."""
+    return any(d.state is State.STALE for p in plans for _, d in p.entries()) or (pp is not None and pp.any_stale())
+
+
+def _ask(confirm: Confirm, plans: Sequence[SourcePlan], pp: Any) -> bool:
+    """The operator's word on the plans, shown as the same plans run dry (-A: every other place's as `places`)."""
     from .cleanup import execute
 
-    preview = execute(p, dry_run=True)
-    extra: dict[str, Any] = {}
-    if ep is not None:
-        from .engines import execute_engines
+    preview = execute(*plans, dry_run=True)
+    if pp is None:
+        return confirm(preview)
+    from .places.run import execute_places
 
-        extra["engines"] = execute_engines(ep, dry_run=True)
-    if pp is not None:
-        from .places.run import execute_places
-
-        extra["places"] = execute_places(pp, dry_run=True, skip_host=True)
-    return confirm(p, preview, **extra)
-
-
-def _any_stale(p: Plan, ep: EnginePlan | None) -> bool:
-    """Whether the plan would remove anything (kvcached's entries, or the engines' when judged)."""
-    return any(d.state is State.STALE for _, d in p.entries()) or (
-        ep is not None and any(d.state is State.STALE for _, d in ep.entries()))
+    return confirm(preview, places=execute_places(pp, dry_run=True, skip_host=True))
 
 
 def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, confirm_kill: ConfirmKill | None,
@@ -299,19 +290,15 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
             p = _kvcached_plan(opts)
             pp = _places_plan(opts, p) if opts.all_places else None
             ep = _host_engines(opts, p, pp)
+    plans: list[SourcePlan] = [p] if ep is None else [p, ep]
     dry = opts.dry_run
     declined = False
     # Only a question needs to know whether anything is stale: a dry run and --yes skip the pass over every entry.
-    if not dry and not opts.yes and (_any_stale(p, ep) or (pp is not None and pp.any_stale())):
-        dry = confirm is None or not _ask(confirm, p, ep, pp)
+    if not dry and not opts.yes and _any_stale(plans, pp):
+        dry = confirm is None or not _ask(confirm, plans, pp)
         declined = dry
 
-    report = execute(p, dry_run=dry, time_limit=left(), progress=progress)
-    engines = None
-    if ep is not None:
-        from .engines import execute_engines
-
-        engines = execute_engines(ep, dry_run=dry, time_limit=left(), progress=progress)
+    report = execute(*plans, dry_run=dry, time_limit=left(), progress=progress)
     places = None
     if pp is not None:
         from .places.run import execute_places
@@ -319,10 +306,10 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
         places = execute_places(pp, dry_run=dry, deadline=left, progress=progress, skip_host=True)
     from .sight import assess
 
-    return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed, engines, places or ()),
-                    orphans=orphans, killable=killable, killed=killed, declined=declined, engines=engines,
-                    places=places, place_errors=list(pp.errors) if pp is not None else [],
-                    sight=assess(opts.proc_root, p.facts), gpu=gpu)
+    return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed, places or ()), orphans=orphans,
+                    killable=killable, killed=killed, declined=declined, places=places,
+                    place_errors=list(pp.errors) if pp is not None else [], sight=assess(opts.proc_root, p.facts),
+                    gpu=gpu)
 
 
 def _host_engines(opts: GcOptions, p: Plan, pp: Any) -> EnginePlan | None:

@@ -14,14 +14,11 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .cleanup import Action, Report
-from .decide import State
-from .enums import Engine
+from .enums import Action, Engine, Kind, State
 from .errors import KvcachedError
-from .scan import Kind
+from .report import Report, Source
 
-if TYPE_CHECKING:  # the engine pass is imported only by runs that ask for engine state
-    from .engines import EngineReport
+if TYPE_CHECKING:  # -A's places are imported only by runs that judge them
     from .places.run import PlaceResult
 
 PREFIX = "kvctl_gc"
@@ -91,18 +88,21 @@ def _metric(lines: list[str], name: str, kind: str, help_: str, samples: Samples
 
 
 def render(report: Report, *, success: bool, orphans: int = 0, last_success: float | None = None,
-           started: float | None = None, engines: EngineReport | None = None, blind: bool | None = None,
+           started: float | None = None, blind: bool | None = None,
            places: Sequence[PlaceResult] | None = None) -> str:
     """The textfile body for one run; `started` (default: the report's) times the whole run.
 
-    With `engines` (a run that also judged the engines' leftovers), their
-    counts and bytes by engine and state follow (render_engines). `blind`:
+    The entry metrics count kvcached's part of the report; a run that also
+    judged the engines' leftovers adds their counts and bytes by engine and
+    state (render_engines). Failures and the time limit are the whole run's. `blind`:
     whether the run could not see every process (sight.py); None writes no
     `kvctl_gc_blind` (a caller that did not ask). With `places` (gc -A:
     every place but the host's), what is left by place kind (render_places);
     the counts above stay the host's.
     """
     lines: list[str] = []
+    whole = report
+    report = whole.part(Source.KVCACHED) or whole
 
     def metric(name: str, kind: str, help_: str, samples: Samples) -> None:
         _metric(lines, name, kind, help_, samples)
@@ -114,34 +114,36 @@ def render(report: Report, *, success: bool, orphans: int = 0, last_success: flo
            [({"kind": k}, sum(1 for e in report.stale_remaining if e.kind is Kind(k))) for k in kinds])
     metric("removed", "gauge", "Entries removed by the last run, by kind.",
            [({"kind": k}, report.count(action=Action.REMOVED, kind=Kind(k))) for k in kinds])
-    metric("failures", "gauge", "Removals that failed in the last run.", [({}, len(report.failures))])
+    metric("failures", "gauge", "Removals that failed in the last run.", [({}, len(whole.failures))])
     metric("orphaned_processes", "gauge", "Orphaned kvcached processes seen by the last run.", [({}, orphans)])
     metric("lock_busy", "gauge", _HELP["lock_busy"], [({}, 0)])  # this run held the lock (write_lock_busy)
-    metric("timed_out", "gauge", "1 when the last run hit its time limit.", [({}, int(report.timed_out))])
+    metric("timed_out", "gauge", "1 when the last run hit its time limit.", [({}, int(whole.timed_out))])
     if blind is not None:
         # 1 is an alert, not a state to live with: a blind run keeps what it cannot judge, forever (sight.py).
         metric("blind", "gauge", "1 when the last run could not read every process (no hostPID, hidepid, not "
                "root, a security module): what they may own was kept as unknown.", [({}, int(blind))])
-    begun = report.started if started is None else started
-    metric("duration_seconds", "gauge", _HELP["duration_seconds"], [({}, round(report.finished - begun, 6))])
+    begun = whole.started if started is None else started
+    metric("duration_seconds", "gauge", _HELP["duration_seconds"], [({}, round(whole.finished - begun, 6))])
     metric("last_run_timestamp_seconds", "gauge", _HELP["last_run_timestamp_seconds"],
-           [({}, round(report.finished, 3))])
+           [({}, round(whole.finished, 3))])
     if success:
-        last_success = report.finished
+        last_success = whole.finished
     if last_success is not None:
         metric("last_success_timestamp_seconds", "gauge",
                "When a run last finished with no failures and no stale entries left.", [({}, round(last_success, 3))])
+    engines = whole.part(Source.ENGINES)
     if engines is not None:
         lines.append(render_engines(engines).rstrip("\n"))
     if places is not None:
-        lines.append(render_places(report, engines, places).rstrip("\n"))
+        lines.append(render_places(whole, places).rstrip("\n"))
     return "\n".join(lines) + "\n"
 
 
-def render_places(report: Report, engines: EngineReport | None, places: Sequence[PlaceResult]) -> str:
+def render_places(report: Report, places: Sequence[PlaceResult]) -> str:
     """gc -A's metrics: places found, stale entries and bytes left by place kind, and the worst place's bytes.
 
-    By kind, not by pod: a label per pod would be a series per pod that ever
+    `report` is the host's (every source), `places` every other place's. By
+    kind, not by pod: a label per pod would be a series per pod that ever
     lived; kvctl_gc_engine_stale_bytes_max_place lets one alert catch the pod
     whose volume is filling (`kvctl inspect -A` names it).
     """
@@ -151,17 +153,16 @@ def render_places(report: Report, engines: EngineReport | None, places: Sequence
     entries = {k: 0 for k in PlaceKind}
     held = {k: 0 for k in PlaceKind}
     found[PlaceKind.HOST] = 1
-    entries[PlaceKind.HOST] = len(report.stale_remaining) + (len(engines.stale_remaining) if engines else 0)
-    held[PlaceKind.HOST] = sum(e.bytes for e in engines.stale_remaining) if engines else 0
+    left = report.stale_remaining
+    entries[PlaceKind.HOST], held[PlaceKind.HOST] = len(left), sum(e.bytes for e in left)
     worst = 0
     for r in places:
-        kind = r.place.kind
-        found[kind] += 1
-        left_bytes = sum(e.bytes for e in r.engines.stale_remaining) if r.engines else 0
-        entries[kind] += (len(r.report.stale_remaining) if r.report else 0) + (
-            len(r.engines.stale_remaining) if r.engines else 0)
-        held[kind] += left_bytes
-        worst = max(worst, left_bytes)
+        left = r.report.stale_remaining if r.report is not None else []
+        here = sum(e.bytes for e in left)
+        found[r.place.kind] += 1
+        entries[r.place.kind] += len(left)
+        held[r.place.kind] += here
+        worst = max(worst, here)
     lines: list[str] = []
     _metric(lines, "places", "gauge", "Places the last run judged (gc -A), by kind.",
             [({"place_kind": str(k)}, n) for k, n in found.items()])
@@ -176,7 +177,7 @@ def render_places(report: Report, engines: EngineReport | None, places: Sequence
     return "\n".join(lines) + "\n"
 
 
-def render_engines(report: EngineReport) -> str:
+def render_engines(report: Report) -> str:
     """The engine leftovers' metrics: entries and bytes by engine and state, what was removed, what is left.
 
     Written only by runs that judged them (gc --engines). A plain run writes
@@ -270,14 +271,14 @@ def _put(path: str | None, sink: Sink | None, body: str) -> None:
 
 
 def write_report(path: str | None, report: Report, *, success: bool, orphans: int = 0,
-                 started: float | None = None, engines: EngineReport | None = None, sink: Sink | None = None,
+                 started: float | None = None, sink: Sink | None = None,
                  blind: bool | None = None, gpu: Any = None, places: Sequence[PlaceResult] | None = None) -> None:
     """Render one run's metrics to the textfile `path` and/or `sink`, keeping the last success of failed runs.
 
     `gpu` (a gpu.GpuReport, from runs that judged engines) adds the GPU holders' metrics."""
     last = _value_in(_previous_text(path, sink), f"{PREFIX}_last_success_timestamp_seconds")
-    body = render(report, success=success, orphans=orphans, last_success=last, started=started, engines=engines,
-                  blind=blind, places=places)
+    body = render(report, success=success, orphans=orphans, last_success=last, started=started, blind=blind,
+                  places=places)
     if gpu is not None:
         from .gpu.metrics import render_gpu
 

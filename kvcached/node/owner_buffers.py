@@ -173,14 +173,15 @@ class BufferCleanup:
                 self.done = True
 
     def _judge_and_remove(self) -> OwnerResult:
+        from .cleanup import execute
         from .decide import Policy
-        from .engines import execute_engines, plan_engines
+        from .engines import plan_engines
         from .enums import Action
 
         p = plan_engines(self.layout, Policy(grace=0.0), names=sorted(self.buffers), whole_view=True)
         mine = [c for c in p.candidates if (b := self.buffers.get(c.name)) is not None
                 and c.ident == b.ident and same_file(b.handle, c.handle)]
-        report = execute_engines(replace(p, candidates=mine), dry_run=False)
+        report = execute(replace(p, candidates=mine), dry_run=False)
         removed = tuple(e.path for e in report.entries if e.action is Action.REMOVED)
         kept = tuple((e.path, f"{e.state}: {e.decision.detail}" + (f"; {e.note}" if e.note else ""))
                      for e in report.entries if e.action is Action.KEPT)

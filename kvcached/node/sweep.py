@@ -38,7 +38,6 @@ from .layout import Layout
 from .lease import ForkSafe
 
 if TYPE_CHECKING:
-    from .engines import EngineReport
     from .report import Report
 
 log = logging.getLogger("kvcached.node.sweep")
@@ -73,8 +72,7 @@ class SweepResult:
     """What one sweep did: why it skipped, or the reports of what it judged."""
 
     skipped: str | None = None
-    report: Report | None = None
-    engines: EngineReport | None = None
+    report: Report | None = None       # every source it judged: kvcached's, then (asked for) the engines'
     seconds: float = 0.0
     removed: list[str] = field(default_factory=list)
 
@@ -109,18 +107,15 @@ def _judge_and_act(layout: Layout, engines: bool, started: float, time_limit: fl
         return max(1e-9, time_limit - (time.monotonic() - started))
 
     p = plan(layout, policy)
-    report = execute(p, dry_run=False, time_limit=left())
-    ereport = None
+    plans: list[Any] = [p]
     if engines:
-        from .engines import execute_engines, plan_engines
+        from .engines import plan_engines
         from .names import rpc_dirs
 
-        ep = plan_engines(layout, policy, facts=p.facts, rpc_dirs=rpc_dirs(layout.root))
-        ereport = execute_engines(ep, dry_run=False, time_limit=left())
-    removed: list[Any] = [e for e in report.entries if e.action is Action.REMOVED]
-    removed += [e for e in (ereport.entries if ereport else ()) if e.action is Action.REMOVED]
-    return SweepResult(report=report, engines=ereport, seconds=time.monotonic() - started,
-                       removed=[e.path for e in removed])
+        plans.append(plan_engines(layout, policy, facts=p.facts, rpc_dirs=rpc_dirs(layout.root)))
+    report = execute(*plans, dry_run=False, time_limit=left())
+    return SweepResult(report=report, seconds=time.monotonic() - started,
+                       removed=[e.path for e in report.entries if e.action is Action.REMOVED])
 
 
 def _log_result(root: str, r: SweepResult) -> None:
@@ -129,16 +124,19 @@ def _log_result(root: str, r: SweepResult) -> None:
         return
     for path in r.removed:
         log.info("kvcached: start-up sweep removed %s", path)
+    from .report import Source
+
     bits = []
-    for what, rep in (("kvcached entries", r.report), ("engine leftovers", r.engines)):
+    parts = [(what, r.report.part(source) if r.report is not None else None)
+             for what, source in (("kvcached entries", Source.KVCACHED), ("engine leftovers", Source.ENGINES))]
+    for what, rep in parts:
         if rep is None:
             continue
         left = len(rep.stale_remaining)
         bits.append(f"{what}: {len(rep.entries)} judged" + (f", {left} stale kept" if left else "")
                     + (f", {len(rep.failures)} failed" if rep.failures else "")
                     + ("; time limit reached" if rep.timed_out else ""))
-    level = logging.WARNING if any(rep is not None and rep.failures for rep in (r.report, r.engines)) \
-        else logging.INFO
+    level = logging.WARNING if r.report is not None and r.report.failures else logging.INFO
     log.log(level, "kvcached: start-up sweep of %s removed %d in %.2fs (%s)", root, len(r.removed), r.seconds,
             "; ".join(bits) or "nothing of kvcached's here")
 

@@ -11,13 +11,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cleanup import Action, Entry, Plan
+from .cleanup import Plan
 from .decide import State
 from .enums import Category
 from .errors import KvcachedError, SegmentBusy
 from .facts import START_SLACK, Facts, ProcessInfo
 from .layout import Layout
 from .naming import default_name_pgid, split_dp_rank
+from .report import Entry, preview
 from .roles import Role, RoleInfo, classify_process, tie_sglang_mains
 from .scan import Candidate, FileType, Kind
 from .segment import SegmentInfo, read_segment
@@ -184,11 +185,6 @@ class NodeView:
         }
 
 
-def plan_entries(p: Plan) -> list[Entry]:
-    """The plan as report entries, without acting: stale → would_remove, everything else kept."""
-    return [Entry(c, d, Action.WOULD_REMOVE if d.state is State.STALE else Action.KEPT) for c, d in p.entries()]
-
-
 def _newest_change(cands: list[Candidate]) -> float:
     return max((c.mtime for c in cands), default=0.0)
 
@@ -303,7 +299,7 @@ def build_view(p: Plan, *, read_segments: bool = True, namespaces: bool = True) 
     tie_sglang_mains(roles, facts)
     grouped: dict[str, list[Entry]] = {}
     unowned: list[Entry] = []
-    for e in plan_entries(p):
+    for e in preview(p):
         if e.candidate.deployment is None or not e.candidate.hash_ok:
             unowned.append(e)  # a directory whose hash does not match its name belongs to no deployment
         else:

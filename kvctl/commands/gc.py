@@ -6,6 +6,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from kvcached.node.enums import Action, EngineKind, Kind, StrEnum
+from kvcached.node.report import Source
 
 from ..documents import error_document, gc_document
 from ..exitcodes import CATEGORY_EXIT, CliError, Exit, exit_of
@@ -21,7 +22,7 @@ from ..params import (
     parse_duration,
     typer_app,
 )
-from ..render import Out, emit_json, log_line, log_report, note, render_report, summary_line
+from ..render import Out, emit_json, log_line, note
 
 app = typer_app()
 
@@ -47,24 +48,26 @@ NODE_KIND: dict[KindChoice, Kind | EngineKind] = {KindChoice(m.value): m for m i
 def _asker(out: Out, run: Globals) -> Any:
     """gc's question before it removes (on a terminal): the plan, one row per deployment, then yes or no."""
 
-    def confirm(plan: Any, preview: Any, engines: Any = None, places: Any = None) -> bool:
+    def confirm(preview: Any, places: Any = None) -> bool:
         if not interactive():
             return False
-        render_report(out, preview, verbose=run.verbose > 0, by_deployment=True)
-        gone = [e for e in preview.entries if e.action is Action.WOULD_REMOVE]
+        from ..render_sources import render_run
+
+        render_run(out, preview, verbose=run.verbose > 0, grouped=True)
+        gone = [e for e in preview.entries if e.action is Action.WOULD_REMOVE and e.engine is None]
         deps = len({e.candidate.deployment for e in gone})
         what = f"{len(gone)} stale entr{'y' if len(gone) == 1 else 'ies'} of {deps} deployment(s)"
-        if engines is not None:
+        if Source.ENGINES in preview.sources:
             from kvcached.node.units import format_size
 
-            from ..render_engines import render_engine_report
-
-            render_engine_report(out, engines, verbose=run.verbose > 0, by_engine=True)
-            n = engines.count(action=Action.WOULD_REMOVE)
-            what += f" and {n} engine leftover(s) ({format_size(engines.bytes(action=Action.WOULD_REMOVE))})"
+            n = preview.count(action=Action.WOULD_REMOVE, source=Source.ENGINES)
+            what += f" and {n} engine leftover(s) ({format_size(preview.bytes(action=Action.WOULD_REMOVE))})"
         if places is not None:
             from kvcached.node.places.run import would_remove
 
+            from ..render_places import render_places_preview
+
+            render_places_preview(out, places, verbose=run.verbose > 0)
             what += f" here, and {would_remove(places)} entr(ies) in {len(places)} other place(s)"
         return typer.confirm(f"Remove {what}?", default=False, err=True)
 
@@ -143,17 +146,15 @@ def _closing_lines(out: Out, run: Globals, result: Any, min_age: float, *, json_
         log_line(f"kvctl gc: {blind}", "warning")  # cron's log and --json readers see it too
     if not json_out:
         _orphan_lines(out, run, result, min_age)
-        if result.engines is None and not names:
+        if Source.ENGINES not in result.report.sources and not names:
             _engine_hint(run, result, min_age)
 
 
 def _run_line(result: Any, code: int) -> tuple[str, str]:
     """--every's line for one run, and its log level."""
-    line = f"kvctl gc: {summary_line(result.report)[4:]}"
-    if result.engines is not None:
-        from ..render_engines import engine_summary_line
+    from ..render_sources import run_line
 
-        line += f"; {engine_summary_line(result.engines)}"
+    line = f"kvctl gc: {run_line(result.report)}"
     if result.places is not None:
         from ..render_places import places_summary_line
 
@@ -313,34 +314,29 @@ MetricsAddressOpt = Annotated[
 def _declined(run: Globals, opts: Any, result: Any, min_age: float) -> None:
     """Nothing removed because nobody confirmed: how many stale entries remain, and the command that removes them."""
     again = ("gc -A" if opts.all_places else "gc") + (" --engines --yes" if opts.engine_pass else " --yes")
-    stale = len(result.report.stale_remaining) + len(result.engines.stale_remaining if result.engines else ())
-    stale += sum(len(part.stale_remaining) for r in result.places or () for part in (r.report, r.engines)
-                 if part is not None)
+    stale = len(result.report.stale_remaining) + sum(len(r.report.stale_remaining) for r in result.places or ()
+                                                     if r.report is not None)
     note(f"nothing removed: {stale} stale entr{'y' if stale == 1 else 'ies'} remain; "
          f"re-run with --yes to remove them ({run.hinter(min_age)(again)})")
 
 
 def _show(out: Out, run: Globals, result: Any) -> None:
-    """gc's report on stdout: a row per deployment on a terminal (every entry with -v), a row per entry elsewhere."""
+    """gc's report on stdout: a row per deployment (or engine) on a terminal (every entry with -v), else per entry."""
     if result.places is not None:
         from ..render_places import render_places_report
 
         render_places_report(out, result, verbose=run.verbose > 0, terminal=out.terminal)
         return
-    render_report(out, result.report, verbose=run.verbose > 0, by_deployment=out.terminal)
-    if result.engines is not None:
-        from ..render_engines import render_engine_report
+    from ..render_sources import render_run
 
-        render_engine_report(out, result.engines, verbose=run.verbose > 0, by_engine=out.terminal)
+    render_run(out, result.report, verbose=run.verbose > 0, grouped=out.terminal)
 
 
 def _log(result: Any) -> None:
     """What cron must still see on stderr: every failure and each part's summary (-A: each place's too)."""
-    log_report(result.report)
-    if result.engines is not None:
-        from ..render_engines import log_engine_report
+    from ..render_sources import log_run
 
-        log_engine_report(result.engines)
+    log_run(result.report)
     if result.places is not None:
         from ..render_places import log_places
 

@@ -53,7 +53,7 @@ def inspect(
     out = Out()
     render_view(out, view, now=time.time(), hint=run.hinter(min_age))
     if engines:
-        from ..render_engines import render_engine_view
+        from ..render_sources import render_engine_view
 
         out.blank()
         render_engine_view(out, engines, hint=run.hinter(min_age))
@@ -98,9 +98,9 @@ def _all_places(run: Any, names: list[str], min_age: float, kubelet_dir: Optiona
 def _engine_state(view: Any, min_age: float) -> list[Any]:
     """The engines' leftovers on the same node, judged from the view's own /proc pass, as gc --engines would act."""
     from kvcached.node.decide import Policy
-    from kvcached.node.engines import plan_engines, preview_engines
+    from kvcached.node.engines import plan_engines
     from kvcached.node.names import rpc_dirs
+    from kvcached.node.report import preview
 
     layout = view.layout
-    return preview_engines(plan_engines(layout, Policy(grace=min_age), facts=view.facts,
-                                        rpc_dirs=rpc_dirs(layout.root)))
+    return preview(plan_engines(layout, Policy(grace=min_age), facts=view.facts, rpc_dirs=rpc_dirs(layout.root)))

@@ -285,8 +285,11 @@ def replace(base: str) -> dict:
     for n in names:
         _plant(vol, n)
     results = execute_places(pp, dry_run=False)
-    actions = {e.candidate.name: [str(e.action), e.note] for r in results if r.engines for e in r.engines.entries}
-    return {"judged": judged, "actions": actions, "left": sorted(os.listdir(vol)), "names": names}
+    actions = {e.candidate.name: [str(e.action), e.note] for r in results if r.report for e in r.report.entries}
+    # Every entry outside the host carries its place in its origin.
+    tagged = all(e.origin.place == r.place for r in results if r.report for e in r.report.entries)
+    return {"judged": judged, "actions": actions, "left": sorted(os.listdir(vol)), "names": names,
+            "tagged": tagged}
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ import jsonschema
 import pytest
 
 from kvcached.node import cleanup
-from kvcached.node.cleanup import Action
+from kvcached.node.cleanup import Action, execute
 from kvcached.node.decide import Policy, State
-from kvcached.node.engines import EngineKind, EngineReason, execute_engines, plan_engines
+from kvcached.node.engines import EngineKind, EngineReason, plan_engines
 from kvcached.node.facts import START_SLACK
 from kvcached.node.layout import Layout
 
@@ -48,13 +48,13 @@ def test_the_engine_plan_removes_exactly_the_dead_ones(engine_node: Node, childr
     p = engine_plan(engine_node, planted)
     assert by_path(p) == want
     dead = {path for path, (state, _) in want.items() if state is State.STALE}
-    dry = execute_engines(p, dry_run=True)
+    dry = execute(p, dry_run=True)
     assert {e.candidate.path for e in dry.entries if e.action is Action.WOULD_REMOVE} == dead
     assert all(os.path.lexists(x) for x in planted)
     for e in dry.entries:
         jsonschema.validate(e.to_dict(), SCHEMA)
     assert_plain_gc_ignores(engine_node, planted)
-    report = execute_engines(p, dry_run=False)
+    report = execute(p, dry_run=False)
     assert {e.candidate.path for e in report.entries if e.action is Action.REMOVED} == dead
     assert not report.failures
     assert {x for x in planted if not os.path.lexists(x)} == dead
@@ -106,7 +106,7 @@ def test_sizes_are_the_memory_held_not_the_apparent_size(engine_node: Node) -> N
     st = os.stat(path)
     assert c.size == 1 << 30
     assert c.allocated == st.st_blocks * 512 < 1 << 20
-    assert execute_engines(engine_plan(engine_node, [path]), dry_run=True).entries[0].to_dict()["bytes"] == c.allocated
+    assert execute(engine_plan(engine_node, [path]), dry_run=True).entries[0].to_dict()["bytes"] == c.allocated
 
 
 @needs_whole_view
@@ -116,7 +116,7 @@ def test_identity_is_rechecked_at_removal(engine_node: Node) -> None:
     p = engine_plan(engine_node, [path])
     os.unlink(path)
     os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-    (e,) = execute_engines(p, dry_run=False).entries
+    (e,) = execute(p, dry_run=False).entries
     assert (e.action, e.note) == (Action.KEPT, "replaced since the scan")
     assert os.path.exists(path)
 
@@ -128,7 +128,7 @@ def test_owner_is_rechecked_at_removal(engine_node: Node, unpriv_user) -> None: 
     p = engine_plan(engine_node, [path, sock])
     os.chown(path, unpriv_user.pw_uid, -1)
     os.chown(sock, unpriv_user.pw_uid, -1, follow_symlinks=False)
-    for e in execute_engines(p, dry_run=False).entries:
+    for e in execute(p, dry_run=False).entries:
         assert e.action is Action.KEPT and "changed owner" in e.note, e
     assert os.path.exists(path) and os.path.lexists(sock)
 
@@ -139,7 +139,7 @@ def test_a_lock_taken_since_the_scan_keeps_it(engine_node: Node, children: Child
     p = engine_plan(engine_node, [path])
     children.spawn("import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_SH)\n"
                    + _READY_THEN_WAIT, path)
-    (e,) = execute_engines(p, dry_run=False).entries
+    (e,) = execute(p, dry_run=False).entries
     assert (e.action, e.note) == (Action.KEPT, "locked by a process since the scan")
     assert os.path.exists(path)
 
@@ -151,7 +151,7 @@ def test_the_time_limit_keeps_what_it_did_not_reach(engine_node: Node) -> None:
     paths = [engine_node.file(engine_node.fresh(engine_node.shm, "nccl-{alnum6}")) for _ in range(3)]
     p = engine_plan(engine_node, paths)
     time.sleep(0.01)
-    report = execute_engines(p, dry_run=False, time_limit=1e-9)
+    report = execute(p, dry_run=False, time_limit=1e-9)
     assert report.timed_out
     assert {e.note for e in report.entries} == {"time limit reached"}
     assert all(os.path.exists(x) for x in paths)
@@ -172,7 +172,7 @@ def test_another_users_entries_as_root_and_as_that_user(engine_node: Node, unpri
     assert as_user[theirs][:2] == ["stale", "unused"] and as_user[theirs][2] == "removed"
     assert as_user[their_sock][:3] == ["stale", "not_listening", "removed"]
     assert os.path.exists(mine) and not os.path.exists(theirs) and not os.path.lexists(their_sock)
-    (e,) = execute_engines(engine_plan(engine_node, [theirs_too]), dry_run=False).entries
+    (e,) = execute(engine_plan(engine_node, [theirs_too]), dry_run=False).entries
     assert (e.state, e.action) == (State.STALE, Action.REMOVED)
     assert_plain_gc_ignores(engine_node, [mine])
 
@@ -180,10 +180,11 @@ def test_another_users_entries_as_root_and_as_that_user(engine_node: Node, unpri
 _AS_USER = r"""
 import json, sys
 from kvcached.node.decide import Policy
-from kvcached.node.engines import execute_engines, plan_engines
+from kvcached.node.cleanup import execute
+from kvcached.node.engines import plan_engines
 from kvcached.node.layout import Layout
 names = [p.rsplit("/", 1)[1] for p in sys.argv[2:]]
-report = execute_engines(plan_engines(Layout(sys.argv[1]), Policy(grace=60), names=names), dry_run=False)
+report = execute(plan_engines(Layout(sys.argv[1]), Policy(grace=60), names=names), dry_run=False)
 print(json.dumps({e.candidate.path: [str(e.state), str(e.decision.reason), str(e.action)] for e in report.entries}))
 """
 
@@ -202,7 +203,7 @@ def test_vllm_rpc_base_path_is_scanned_too(layout: Layout) -> None:
         dead = n.socket(n.fresh(base, "{uuid}"), directory=base)
         p = engine_plan(n, [dead], rpc_dirs=[base])
         assert by_path(p) == {dead: (State.STALE, EngineReason.NOT_LISTENING)}
-        assert execute_engines(p, dry_run=False).entries[0].action is Action.REMOVED
+        assert execute(p, dry_run=False).entries[0].action is Action.REMOVED
     finally:
         n.cleanup()
         shutil.rmtree(base, ignore_errors=True)
@@ -266,6 +267,6 @@ def test_a_directory_swapped_since_the_scan_is_never_acted_in(layout: Layout) ->
     os.rename(layout.shm_dir, layout.shm_dir + ".old")
     os.mkdir(layout.shm_dir)
     os.rename(layout.shm_dir + ".old/nccl-Ab3dE9", path)  # the very file, now in another directory
-    (e,) = execute_engines(p, dry_run=False).entries
+    (e,) = execute(p, dry_run=False).entries
     assert (e.action, e.note) == (Action.KEPT, f"{layout.shm_dir} replaced since the scan")
     assert os.path.exists(path)

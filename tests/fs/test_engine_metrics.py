@@ -9,7 +9,7 @@ import time
 from kvcached.node import metrics
 from kvcached.node.cleanup import execute, plan
 from kvcached.node.decide import Policy
-from kvcached.node.engines import execute_engines, plan_engines
+from kvcached.node.engines import plan_engines
 from kvcached.node.layout import Layout
 
 _SAMPLE = re.compile(r"^(kvctl_gc_[a-z_]+)\{([^}]*)\} (\S+)$")
@@ -38,10 +38,10 @@ def test_counts_and_bytes_by_engine_and_state(layout: Layout, tmp_path) -> None:
     young = os.path.join(layout.shm_dir, "cuda.shm.0.1.2")
     with open(young, "wb") as f:
         f.write(b"y" * 4096)
-    engines = execute_engines(plan_engines(layout, Policy(grace=60)), dry_run=False)
-    plain = execute(plan(layout, Policy(grace=60)), dry_run=False)
+    # One run of both sources, one report: kvcached's part, then the engines'.
+    report = execute(plan(layout, Policy(grace=60)), plan_engines(layout, Policy(grace=60)), dry_run=False)
     target = str(tmp_path / "kvctl.prom")
-    metrics.write_report(target, plain, success=True, engines=engines)
+    metrics.write_report(target, report, success=True)
     text = open(target).read()
     got = _samples(text)
 
@@ -66,10 +66,10 @@ def test_counts_and_bytes_by_engine_and_state(layout: Layout, tmp_path) -> None:
 
 def test_a_dry_run_leaves_stale_bytes_and_lock_busy_keeps_them(layout: Layout, tmp_path) -> None:  # type: ignore[no-untyped-def]
     _plant(os.path.join(layout.shm_dir, "psm_0a1b2c3d"), 8192)
-    engines = execute_engines(plan_engines(layout, Policy(grace=60)), dry_run=True)
-    plain = execute(plan(layout, Policy(grace=60)), dry_run=True)
+    # One run of both sources, one report: kvcached's part, then the engines'.
+    report = execute(plan(layout, Policy(grace=60)), plan_engines(layout, Policy(grace=60)), dry_run=True)
     target = str(tmp_path / "kvctl.prom")
-    metrics.write_report(target, plain, success=False, engines=engines)
+    metrics.write_report(target, report, success=False)
     metrics.write_lock_busy(target, time.time() - 1, time.time())
     got = _samples(open(target).read())
     assert got[("kvctl_gc_engine_stale_entries", frozenset({("engine", "vllm")}))] == 1

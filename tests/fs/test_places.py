@@ -139,6 +139,7 @@ def test_replaced_filesystem_nothing_removed(tmp_path: Path) -> None:
     assert set(out["judged"].values()) == {"stale"}
     assert out["left"] == sorted(out["names"])
     assert all(action == "kept" for action, _ in out["actions"].values()), out["actions"]
+    assert out["tagged"]
 
 
 def test_doctor_pods_names_the_pod_its_bytes_and_the_fix(node: dict[str, Any]) -> None:

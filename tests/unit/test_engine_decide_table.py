@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from kvcached.node.decide import Policy, State
-from kvcached.node.engines.decide import EngineDecision, EngineReason, decide_engine, settle_groups
+from kvcached.node.engines.decide import EngineReason, decide_engine, settle_groups
 from kvcached.node.engines.evidence import Blind, EngineEvidence, Proc
 from kvcached.node.engines.families import Engine, EngineKind, Where, match_name
 from kvcached.node.engines.scan import EngineCandidate
+from kvcached.node.report import Decision
 from kvcached.node.scan import FileType
 from kvcached.node.sockdiag import Bind
 
@@ -194,7 +195,7 @@ def test_a_young_or_unknown_member_keeps_the_region_from_stale() -> None:
 
 def test_foreign_members_are_no_evidence_and_stale_regions_stay_stale() -> None:
     main, link = _offload(ident=(1, 1)), _offload(".1", ident=(1, 2), ftype=FileType.SYMLINK)
-    decisions: dict[str, EngineDecision] = {c.path: decide_engine(c, EV, ROOT, NOW) for c in (main, link)}
+    decisions: dict[str, Decision] = {c.path: decide_engine(c, EV, ROOT, NOW) for c in (main, link)}
     settle_groups([main, link], decisions)
     assert decisions[main.path].state is State.STALE
     assert decisions[link.path].state is State.FOREIGN

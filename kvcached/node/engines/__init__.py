@@ -39,13 +39,15 @@ Modules, in the order a run uses them:
   listening). `settle_groups` lets a live member of a multi-file region keep
   the others.
 - `act`: `plan_engines` (scan, facts, evidence, decisions, filters: no side
-  effect) and `execute_engines` (the guarded act on stale entries only: the
-  parent directory re-opened and its identity compared, the entry re-opened
-  without following and its identity, file handle, owner and link count
-  re-checked, an flock taken, then unlinkat through the directory fd; dry
-  run is the same path with one guard at the syscall). Entries report the
-  gc entry fields plus `engine` and `bytes` (kvctl/schemas/engine_entry.json);
-  metrics.render_engines turns a report into textfile metrics.
+  effect), an `EnginePlan`: a report.SourcePlan like kvcached's own, so
+  cleanup.execute acts on it with the one guarded act (the parent directory
+  re-opened and its identity compared, the entry re-opened without following
+  and its identity, file handle, owner and link count re-checked, an flock
+  taken, then unlinkat through the directory fd; dry run is the same path
+  with one guard at the syscall). Its entries are report.Entry, decided as
+  report.Decision with an `EngineReason`, and report the gc entry fields plus
+  `engine` and `bytes` (kvctl/schemas/engine_entry.json);
+  metrics.render_engines turns their part of a report into textfile metrics.
 
 Plain gc (cleanup.plan) never calls into this package, so it costs what it
 cost before; the full maps pass runs only when engine state is asked for.
@@ -58,16 +60,8 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .act import (
-        EngineEntry,
-        EnginePlan,
-        EngineReport,
-        execute_engines,
-        plan_engines,
-        preview_engines,
-        rpc_dirs_from_env,
-    )
-    from .decide import EngineDecision, EngineReason, decide_engine, settle_groups
+    from .act import EnginePlan, plan_engines, rpc_dirs_from_env
+    from .decide import EngineReason, decide_engine, settle_groups
     from .evidence import EngineEvidence, gather_engine_evidence
     from .families import FAMILIES, Engine, EngineKind, Evidence, Family, match_name
     from .scan import EngineCandidate, EngineScan, scan_engine_state
@@ -75,9 +69,8 @@ if TYPE_CHECKING:
 # Each name's module, imported on first use: plain gc's hint (names.engine_leftover_count) imports the
 # name patterns alone, not the scan, evidence and act modules (a test holds _HOME and __all__ together).
 _HOME = {
-    "EngineEntry": "act", "EnginePlan": "act", "EngineReport": "act", "execute_engines": "act",
-    "plan_engines": "act", "rpc_dirs_from_env": "act", "preview_engines": "act",
-    "EngineDecision": "decide", "EngineReason": "decide", "decide_engine": "decide", "settle_groups": "decide",
+    "EnginePlan": "act", "plan_engines": "act", "rpc_dirs_from_env": "act",
+    "EngineReason": "decide", "decide_engine": "decide", "settle_groups": "decide",
     "EngineEvidence": "evidence", "gather_engine_evidence": "evidence",
     "FAMILIES": "families", "Engine": "families", "EngineKind": "families", "Evidence": "families",
     "Family": "families", "match_name": "families",
@@ -85,10 +78,9 @@ _HOME = {
 }
 
 __all__ = [
-    "FAMILIES", "Engine", "EngineCandidate", "EngineDecision", "EngineEntry", "EngineEvidence", "EngineKind",
-    "EnginePlan", "EngineReason", "EngineReport", "EngineScan", "Evidence", "Family", "decide_engine",
-    "execute_engines", "gather_engine_evidence", "match_name", "plan_engines", "preview_engines", "rpc_dirs_from_env",
-    "scan_engine_state", "settle_groups",
+    "FAMILIES", "Engine", "EngineCandidate", "EngineEvidence", "EngineKind", "EnginePlan", "EngineReason",
+    "EngineScan", "Evidence", "Family", "decide_engine", "gather_engine_evidence", "match_name", "plan_engines",
+    "rpc_dirs_from_env", "scan_engine_state", "settle_groups",
 ]
 
 

@@ -9,11 +9,11 @@ back) cannot have created it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from ..decide import Policy, State
 from ..enums import StrEnum
 from ..facts import START_SLACK
+from ..report import Decision
 from ..scan import FileType
 from ..sockdiag import Bind
 from .evidence import EngineEvidence
@@ -53,16 +53,8 @@ class EngineReason(StrEnum):
     NOT_LISTENING = "not_listening"
 
 
-@dataclass(frozen=True)
-class EngineDecision:
-    state: State
-    reason: EngineReason
-    detail: str
-    pids: tuple[int, ...] = ()
-
-
-def _d(state: State, reason: EngineReason, detail: str, pids: Iterable[int] = ()) -> EngineDecision:
-    return EngineDecision(state, reason, detail, tuple(sorted(set(pids))))
+def _d(state: State, reason: EngineReason, detail: str, pids: Iterable[int] = ()) -> Decision:
+    return Decision(state, reason, detail, tuple(sorted(set(pids))))
 
 
 _SYMLINK = _d(State.FOREIGN, EngineReason.SYMLINK, "a symbolic link; never followed")
@@ -73,7 +65,7 @@ _NOT_LISTENING = _d(State.STALE, EngineReason.NOT_LISTENING, "no socket is bound
 _UNUSED = _d(State.STALE, EngineReason.UNUSED, "no process maps it or holds it open, and every one could be read")
 
 
-def _foreign(c: EngineCandidate, policy: Policy) -> EngineDecision | None:
+def _foreign(c: EngineCandidate, policy: Policy) -> Decision | None:
     if c.ftype is FileType.SYMLINK:
         return _SYMLINK
     expected = FileType.SOCKET if c.family.where is Where.RPC else FileType.REGULAR
@@ -89,14 +81,14 @@ def _foreign(c: EngineCandidate, policy: Policy) -> EngineDecision | None:
     return None
 
 
-def _young(c: EngineCandidate, policy: Policy, now: float) -> EngineDecision | None:
+def _young(c: EngineCandidate, policy: Policy, now: float) -> Decision | None:
     age = now - c.mtime
     if age < policy.grace:
         return _d(State.YOUNG, EngineReason.YOUNG, f"changed {age:.0f}s ago, grace is {policy.grace:.0f}s")
     return None
 
 
-def _socket(c: EngineCandidate, ev: EngineEvidence, policy: Policy, now: float) -> EngineDecision:
+def _socket(c: EngineCandidate, ev: EngineEvidence, policy: Policy, now: float) -> Decision:
     # Passive only: sock_diag's listing by file identity, else the datagram bind test. A stream
     # connect would be a connection a listener sees.
     if c.ident in ev.listeners:
@@ -111,7 +103,7 @@ def _socket(c: EngineCandidate, ev: EngineEvidence, policy: Policy, now: float) 
     return _young(c, policy, now) or _NOT_LISTENING
 
 
-def _creator(c: EngineCandidate, ev: EngineEvidence) -> tuple[EngineDecision | None, bool]:
+def _creator(c: EngineCandidate, ev: EngineEvidence) -> tuple[Decision | None, bool]:
     """(live decision or None, whether the PID now belongs to a later process)."""
     pid = c.creator_pid
     if pid is None:
@@ -125,7 +117,7 @@ def _creator(c: EngineCandidate, ev: EngineEvidence) -> tuple[EngineDecision | N
     return None, bool(procs)
 
 
-def decide_engine(c: EngineCandidate, ev: EngineEvidence, policy: Policy, now: float) -> EngineDecision:
+def decide_engine(c: EngineCandidate, ev: EngineEvidence, policy: Policy, now: float) -> Decision:
     """Classify one engine entry on its own evidence."""
     foreign = _foreign(c, policy)
     if foreign is not None:
@@ -171,7 +163,7 @@ _GROUP_REASON = {State.LIVE: EngineReason.GROUP_LIVE, State.UNKNOWN: EngineReaso
                  State.YOUNG: EngineReason.GROUP_YOUNG}
 
 
-def settle_groups(candidates: Sequence[EngineCandidate], decisions: dict[str, EngineDecision]) -> None:
+def settle_groups(candidates: Sequence[EngineCandidate], decisions: dict[str, Decision]) -> None:
     """A region made of several files (vLLM's offload segments) is kept as strongly as its most strongly kept file.
 
     Only stale members are raised; foreign members are no evidence. Decisions are replaced in place.

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 from ..enums import Engine, EngineKind, StrEnum
+from ..report import Origin, Source
 
 
 class Where(StrEnum):
@@ -38,6 +40,11 @@ class Family:
     evidence: Evidence
     pattern: re.Pattern[str]
     what: str  # who makes these names, for reports and docs/KVCTL.md §13
+
+    @cached_property
+    def origin(self) -> Origin:
+        """Its entries' origin (one per family, not one per entry)."""
+        return Origin(Source.ENGINES, self)
 
 
 class Match(NamedTuple):

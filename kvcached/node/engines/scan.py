@@ -12,12 +12,13 @@ import os
 import stat
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .. import naming
 from ..facts import Facts
 from ..ident import file_handle
 from ..layout import Layout
+from ..report import Origin
 from ..scan import FileType, file_type
 from ..segment import SEGMENT_SIZE, has_mark, peek_limit
 from ..sockdiag import Bind, bound
@@ -47,10 +48,16 @@ class EngineCandidate(NamedTuple):
     group: str | None = None
     bind: Bind | None = None   # the bind test of a socket node (None: not tested)
     bind_errno: str | None = None
+    place: Any = None          # kvctl -A: the place it is in (places/discover.Place); None: the node's own
 
     @property
     def kind(self) -> EngineKind:
         return self.family.kind
+
+    @property
+    def origin(self) -> Origin:
+        """Where it came from: the engine family whose name it carries (and, with -A, its place)."""
+        return self.family.origin if self.place is None else self.family.origin._replace(place=self.place)
 
     @property
     def engine(self) -> Engine:

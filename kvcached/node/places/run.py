@@ -3,9 +3,10 @@
 Each place is judged by the same scans and decisions as the host (cleanup.plan
 for kvcached's own state, the engines' scan and decide_engine for theirs),
 with the facts and evidence as that place sees them (places/evidence.py),
-and acted on by the same guarded acts, inside that place alone: every
-directory is re-opened through the path it was judged by and must still be
-the filesystem judged (its device), every entry re-identified before it goes.
+and acted on by the one guarded act (cleanup.execute), inside that place
+alone: every directory is re-opened through the path it was judged by and
+must still be the directory judged, every entry re-identified before it goes.
+Every candidate outside the host carries its place (`origin.place`).
 """
 
 from __future__ import annotations
@@ -13,19 +14,20 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..decide import Policy
 from ..enums import Action, EngineKind, State
 from ..facts import Facts
 from ..layout import Layout
+from ..report import Decision, Entry, Report, SourcePlan
 from .discover import Place, Places, Seen, discover
 
 if TYPE_CHECKING:
     from ..cleanup import Plan
-    from ..engines import EngineEntry, EnginePlan, EngineReport
-    from ..report import Report
+    from ..engines import EnginePlan
+    from ..scan import Candidate
 
 
 @dataclass
@@ -36,44 +38,40 @@ class PlacePlan:
     plan: Plan | None = None
     engines: EnginePlan | None = None
 
+    def sources(self) -> list[SourcePlan]:
+        return [x for x in (self.plan, self.engines) if x is not None]
+
     def any_stale(self) -> bool:
-        plans: list[Any] = [x for x in (self.plan, self.engines) if x is not None]
-        return any(d.state is State.STALE for x in plans for _, d in x.entries())
+        return any(d.state is State.STALE for x in self.sources() for _, d in x.entries())
 
 
 @dataclass
 class PlaceResult:
-    """What a run did in one place."""
+    """What a run did in one place: its report (every source's entries), None when nothing was asked there."""
 
     place: Place
     report: Report | None = None
-    engines: EngineReport | None = None
 
     @property
     def failed(self) -> bool:
-        return bool((self.report is not None and self.report.failures)
-                    or (self.engines is not None and self.engines.failures))
+        return bool(self.report is not None and self.report.failures)
 
     @property
     def stale_left(self) -> bool:
-        return bool((self.report is not None and self.report.stale_remaining)
-                    or (self.engines is not None and self.engines.stale_remaining))
+        return bool(self.report is not None and self.report.stale_remaining)
 
     def stale_bytes(self) -> int:
         """What the dead engine leftovers here hold (removed or not): what the place gets back."""
-        return 0 if self.engines is None else self.engines.bytes(state=State.STALE)
+        return 0 if self.report is None else self.report.bytes(state=State.STALE)
 
     def to_dict(self) -> dict[str, Any]:
         """The place as a document lists it, with what could not be read in it and what its dead ones hold."""
         errors = list(self.place.errors)
-        for part in (self.report, self.engines):
-            if part is not None:
-                errors += [e for e in part.errors if e not in errors]
+        if self.report is not None:
+            errors += [e for e in self.report.errors if e not in errors]
         return {**self.place.to_dict(), "label": self.place.label, "errors": errors,
-                "entries": (len(self.report.entries) if self.report else 0)
-                + (len(self.engines.entries) if self.engines else 0),
-                "stale_entries": (self.report.count(state=State.STALE) if self.report else 0)
-                + (self.engines.count(state=State.STALE) if self.engines else 0),
+                "entries": len(self.report.entries) if self.report else 0,
+                "stale_entries": self.report.count(state=State.STALE) if self.report else 0,
                 "stale_bytes": self.stale_bytes()}
 
 
@@ -104,11 +102,14 @@ def _kvcached_names(layout: Layout, places: Places, facts: Facts) -> set[str]:
     return names
 
 
+def _in_place(c: Candidate, place: Place) -> Candidate:
+    """The candidate, and everything below it, tagged with its place (`origin.place`)."""
+    return c._replace(place=place, children=tuple(_in_place(x, place) for x in c.children))
+
+
 def _plan_kvcached(place: Place, layout: Layout, places: Places, facts: Facts, policy: Policy,
                    names: Sequence[str], now: float, globs: Sequence[str] = (), kinds: Iterable[Any] = ()) -> Plan:
     """cleanup.plan of one place, with the facts as the place sees them; only entries on its own filesystem."""
-    from dataclasses import replace
-
     from ..cleanup import plan
     from .evidence import place_facts
 
@@ -116,12 +117,11 @@ def _plan_kvcached(place: Place, layout: Layout, places: Places, facts: Facts, p
     if place.is_host:
         return plan(here, policy, facts=facts, names=names, globs=globs, kinds=kinds, now=now)
     p = plan(here, policy, facts=place_facts(facts, places, place), names=names, globs=globs, kinds=kinds, now=now)
-    kept = [c for c in p.roots if c.ident[0] == place.dev]
-    if len(kept) == len(p.roots):
-        return p
-    dropped = [c.path for c in p.roots if c.ident[0] != place.dev]
-    return replace(p, roots=kept, errors=p.errors + [f"{path}: not on the filesystem of {place.path}; not judged"
-                                                     for path in dropped])
+    kept = [_in_place(c, place) for c in p.roots if c.ident[0] == place.dev]
+    dropped = [f"{c.path}: not on the filesystem of {place.path}; not judged" for c in p.roots
+               if c.ident[0] != place.dev]
+    segments = {k: _in_place(c, place) for k, c in p.segments.items()}
+    return replace(p, roots=kept, segments=segments, errors=p.errors + dropped)
 
 
 def _plan_engines(plans: list[PlacePlan], layout: Layout, places: Places, facts: Facts, policy: Policy,
@@ -137,6 +137,8 @@ def _plan_engines(plans: list[PlacePlan], layout: Layout, places: Places, facts:
         pl = pp.place
         found = scan_engine_state(pl.layout(layout), facts, rpc_dirs if pl.is_host else (), kvcached=names,
                                   dev=pl.dev)
+        if not pl.is_host:
+            found.candidates = [c._replace(place=pl) for c in found.candidates]
         scans.append(found)
     everything = [c for s in scans for c in s.candidates]
     base = gather_engine_evidence(facts, everything, is_root=policy.is_root, proc_root=proc_root)
@@ -166,23 +168,23 @@ def plan_places(layout: Layout, policy: Policy, facts: Facts, *, kvcached: bool 
     t = time.time() if now is None else now
     places = discover(facts, layout, kubelet_dir=kubelet_dir)
     out = PlacesPlan(places, [PlacePlan(pl) for pl in places.all()], list(places.errors))
+    every = _kvcached_names(layout, places, facts)
     if kvcached:
         exact = [n for n in names if not any(ch in n for ch in "*?[")]
         # A segment's name is tied to kvcached by a socket directory that may sit in another place (a
         # container's /tmp and /dev/shm are two filesystems): every place's names count in every place.
-        extra = sorted(_kvcached_names(layout, places, facts) | set(exact))
+        extra = sorted(every | set(exact))
         kinds = tuple(kinds)
         for pp in out.plans:
             pp.plan = host_plan if (pp.place.is_host and host_plan is not None) else \
                 _plan_kvcached(pp.place, layout, places, facts, policy, extra, t, list(names), kinds)
     if engines:
-        _plan_engines(out.plans, layout, places, facts, policy, engine_kinds, rpc_dirs,
-                      _kvcached_names(layout, places, facts), t, proc_root)
+        _plan_engines(out.plans, layout, places, facts, policy, engine_kinds, rpc_dirs, every, t, proc_root)
     return out
 
 
-def _same_filesystem(place: Place) -> str | None:
-    """Why the place may not be acted in now (its directory is gone or another filesystem), None: it may."""
+def _same_directory(place: Place) -> str | None:
+    """Why the place may not be acted in now (its directory is gone or another one), None: it may."""
     if place.is_host:
         return None
     try:
@@ -194,57 +196,42 @@ def _same_filesystem(place: Place) -> str | None:
     return None
 
 
+def _kept(p: Any, why: str) -> Any:
+    """The plan with nothing stale left to act on: its place moved since the judgement (unknown: kept)."""
+    from ..decide import Reason
+    from ..engines.decide import EngineReason
+    from ..report import Source
+
+    untested = Reason.NOT_TESTED if p.source is Source.KVCACHED else EngineReason.NOT_TESTED
+    decisions = {k: Decision(State.UNKNOWN, untested, f"{d.detail}; {why}", d.pids) if d.state is State.STALE
+                 else d for k, d in p.decisions.items()}
+    return replace(p, decisions=decisions, errors=p.errors + [why])
+
+
 def execute_places(pp: PlacesPlan, *, dry_run: bool, deadline: Callable[[], float | None] = lambda: None,
                    progress: Callable[[Any], None] | None = None, skip_host: bool = False) -> list[PlaceResult]:
     """Act on every place's stale entries, each inside its place; `skip_host`: the caller acts on the host's."""
     from ..cleanup import execute
-    from ..engines import execute_engines
 
     out = []
     for plan in pp.plans:
         if skip_host and plan.place.is_host:
             continue
         res = PlaceResult(plan.place)
-        moved = _same_filesystem(plan.place)
-        if plan.plan is not None:
-            p = plan.plan if moved is None else _kept(plan.plan, moved)
-            res.report = execute(p, dry_run=dry_run, time_limit=deadline(), progress=progress)
-        if plan.engines is not None:
-            e = plan.engines if moved is None else _kept_engines(plan.engines, moved)
-            res.engines = execute_engines(e, dry_run=dry_run, time_limit=deadline(), progress=progress)
+        sources = plan.sources()
+        if sources:
+            moved = _same_directory(plan.place)
+            if moved is not None:
+                sources = [_kept(x, moved) for x in sources]
+            res.report = execute(*sources, dry_run=dry_run, time_limit=deadline(), progress=progress)
         out.append(res)
     return out
 
 
-def _kept(p: Plan, why: str) -> Plan:
-    """The plan with nothing stale left to act on: its place moved since the judgement."""
-    from dataclasses import replace
-
-    from ..decide import Decision, Reason
-
-    decisions = {k: (Decision(State.UNKNOWN, Reason.NOT_TESTED, f"{d.detail}; {why}") if d.state is State.STALE
-                     else d) for k, d in p.decisions.items()}
-    return replace(p, decisions=decisions, errors=p.errors + [why])
-
-
-def _kept_engines(p: EnginePlan, why: str) -> EnginePlan:
-    from dataclasses import replace
-
-    from ..engines import EngineDecision, EngineReason
-
-    decisions = {k: (EngineDecision(State.UNKNOWN, EngineReason.NOT_TESTED, f"{d.detail}; {why}")
-                     if d.state is State.STALE else d) for k, d in p.decisions.items()}
-    return replace(p, decisions=decisions, errors=p.errors + [why])
-
-
 def would_remove(results: Iterable[PlaceResult]) -> int:
     """How many entries of these places a run removed or would remove."""
-    n = 0
-    for r in results:
-        for part in (r.report, r.engines):
-            if part is not None:
-                n += part.count(action=Action.REMOVED) + part.count(action=Action.WOULD_REMOVE)
-    return n
+    return sum(r.report.count(action=Action.REMOVED) + r.report.count(action=Action.WOULD_REMOVE)
+               for r in results if r.report is not None)
 
 
 @dataclass
@@ -253,7 +240,7 @@ class PlaceView:
 
     place: Place
     view: Any = None                      # view.NodeView, or None when kvcached's state was not asked for
-    engines: list[EngineEntry] = field(default_factory=list)
+    engines: list[Entry[Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     def stale_bytes(self) -> int:
@@ -272,7 +259,7 @@ class PlaceView:
 
 def view_places(pp: PlacesPlan, host_view: Any) -> list[PlaceView]:
     """inspect -A: every place's view, host first (`host_view`: the host's NodeView, built by the caller)."""
-    from ..engines import preview_engines
+    from ..report import preview
     from ..view import build_view
 
     out = []
@@ -282,11 +269,10 @@ def view_places(pp: PlacesPlan, host_view: Any) -> list[PlaceView]:
         else:
             view = build_view(plan.plan, namespaces=False) if plan.plan is not None else None
         errors = list(plan.place.errors)
-        for part in (plan.plan, plan.engines):
-            if part is not None and not plan.place.is_host:
+        for part in plan.sources():
+            if not plan.place.is_host:
                 errors += [e for e in part.errors if e not in errors]
         if plan.place.is_host:
             errors += [e for e in pp.errors if e not in errors]
-        out.append(PlaceView(plan.place, view, preview_engines(plan.engines) if plan.engines is not None else [],
-                             errors))
+        out.append(PlaceView(plan.place, view, preview(plan.engines) if plan.engines is not None else [], errors))
     return out

@@ -1,8 +1,12 @@
-"""Text output for the engines' own leftovers: their section of inspect, gc --engines' table and summary lines.
+"""One report's text, section by section: each source its table, summary line and log lines.
 
-Kept apart from render.py (kvcached's own state): the same cells and colours
-(render.Out, state_cell, safe), with the columns engine entries add (ENGINE,
-BYTES: the memory an entry really holds).
+A report (kvcached.node.report) holds every source a run judged, each in one
+part; gc's output, --every's line and cron's log walk those parts, and each
+source's section is rendered by its own helpers: kvcached's by render.py
+(render_report, summary_line, log_report), the engines' leftovers here, with
+the same cells and colours (render.Out, state_cell) and the columns engine
+entries add (ENGINE, BYTES: the memory an entry really holds). inspect's
+section on the engines' leftovers is here too (render_engine_view).
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvcached.node.enums import Action, State
+from kvcached.node.report import Source
 
-from .render import STATE_STYLE, Cell, Out, log_line, pids, state_cell
+from .render import STATE_STYLE, Cell, Out, log_line, log_report, pids, render_report, state_cell, summary_line
 
 if TYPE_CHECKING:
-    from kvcached.node.engines import EngineEntry, EngineReport
+    from kvcached.node.report import Entry, Report
 
 _VERBS = {Action.REMOVED: "Removed", Action.WOULD_REMOVE: "Would remove", Action.KEPT: "Kept", Action.FAILED: "FAILED"}
 TITLE = "Engine leftovers (vLLM, SGLang, NCCL, CUDA IPC: not kvcached's; each on its own evidence)"
@@ -33,7 +38,39 @@ def _kept_bits(counts: Counter[State]) -> str:
                      if counts[s])
 
 
-def render_engine_view(out: Out, entries: Sequence[EngineEntry], hint: Callable[[str], str]) -> None:
+def render_run(out: Out, report: Report, *, verbose: bool, grouped: bool = False) -> None:
+    """gc's report: each source's table (a row per entry, or with `grouped` per deployment or engine) and summary."""
+    for source in report.sources:
+        part = report.part(source)
+        assert part is not None
+        if source is Source.KVCACHED:
+            render_report(out, part, verbose=verbose, by_deployment=grouped)
+        else:
+            render_engine_report(out, part, verbose=verbose, by_engine=grouped)
+
+
+def run_line(report: Report) -> str:
+    """One line for the whole run (--every): each source's summary, kvcached's first."""
+    bits = []
+    for source in report.sources:
+        part = report.part(source)
+        assert part is not None
+        bits.append(summary_line(part)[4:] if source is Source.KVCACHED else engine_summary_line(part))
+    return "; ".join(bits)
+
+
+def log_run(report: Report, command: str = "kvctl gc") -> None:
+    """What cron must still see of every source: failures, a time limit, errors, and each summary."""
+    for source in report.sources:
+        part = report.part(source)
+        assert part is not None
+        if source is Source.KVCACHED:
+            log_report(part, command)
+        else:
+            log_engine_report(part, command)
+
+
+def render_engine_view(out: Out, entries: Sequence[Entry[Any]], hint: Callable[[str], str]) -> None:
     """inspect's section: one row per engine leftover, then what gc --engines would free."""
     if not entries:
         return
@@ -51,7 +88,7 @@ def render_engine_view(out: Out, entries: Sequence[EngineEntry], hint: Callable[
     out.blank()
 
 
-def render_engine_report(out: Out, report: EngineReport, *, verbose: bool, by_engine: bool = False) -> None:
+def render_engine_report(out: Out, report: Report, *, verbose: bool, by_engine: bool = False) -> None:
     """gc --engines' part of the report: a row per entry (live ones only with -v) or per engine; its summary."""
     if by_engine and not verbose:
         _by_engine(out, report)
@@ -69,10 +106,10 @@ def render_engine_report(out: Out, report: EngineReport, *, verbose: bool, by_en
     out.line("gc: " + engine_summary_line(report))
 
 
-def _by_engine(out: Out, report: EngineReport) -> None:
+def _by_engine(out: Out, report: Report) -> None:
     verb = "WOULD REMOVE" if report.dry_run else "REMOVED"
     rows: list[list[Cell]] = []
-    for engine in sorted({e.engine for e in report.entries}):
+    for engine in sorted({e.candidate.engine for e in report.entries}):
         mine = [e for e in report.entries if e.engine is engine]
         gone = [e for e in mine if e.action in (Action.REMOVED, Action.WOULD_REMOVE)]
         kept = Counter(f"{e.state}: {e.decision.reason}" for e in mine if e.action is Action.KEPT)
@@ -84,7 +121,7 @@ def _by_engine(out: Out, report: EngineReport) -> None:
         out.table(["ENGINE", verb, "BYTES", "KEPT", "FAILED", "KEPT BECAUSE"], rows, indent=0, fold=(5,))
 
 
-def engine_summary_line(report: EngineReport) -> str:
+def engine_summary_line(report: Report) -> str:
     """`engine leftovers: removed 3 (1.2G), kept 4 (2 live, 2 unknown)`: the memory the removed ones held."""
     gone = Action.WOULD_REMOVE if report.dry_run else Action.REMOVED
     kept = Counter(e.state for e in report.entries if e.action is Action.KEPT)
@@ -100,7 +137,7 @@ def engine_summary_line(report: EngineReport) -> str:
     return line + ("; time limit reached" if report.timed_out else "")
 
 
-def log_engine_report(report: EngineReport, command: str = "kvctl gc") -> None:
+def log_engine_report(report: Report, command: str = "kvctl gc") -> None:
     """What cron must still see of the engine pass: every failure, and its summary (render.log_report's twin)."""
     for e in report.failures:
         log_line(f"{command}: FAILED {e.kind} {e.path}: {e.note or e.decision.detail}", "error")
