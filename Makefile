@@ -1,12 +1,18 @@
 # Two commands on a bare machine (Python ≥ 3.10 with venv and a C++ compiler):
 #   make demo   install kvcached + kvctl into .venv and run `kvctl demo`
 #   make test   install the test dependencies (vLLM 0.33 and SGLang 0.5.23 without a GPU included) and run the suite
-# and for developers: make lint (ruff + mypy), make bench, make completions.
+# and for developers: make test-fast (the tests that need neither vLLM nor SGLang), make lint (ruff + mypy),
+# make bench, make completions.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: demo test lint bench completions clean
+.PHONY: demo test test-fast lint bench completions clean
+
+# The suite runs on PYTEST_WORKERS processes (pytest-xdist; 1: in pytest's own process, as plain pytest does).
+# Tests share a worker where they share a fixture (tests/conftest.py, docs/CONTRIBUTING.md "Tests").
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
 
 # What `make demo` needs: kvcached + kvctl (and the extension they build), nothing else.
 $(VENV)/.base: pyproject.toml setup.py
@@ -32,7 +38,12 @@ demo: $(VENV)/.base
 	$(VENV)/bin/kvctl demo
 
 test: $(VENV)/.sglang
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra $(XDIST) $(PYTEST_ARGS)
+
+# The edit-test loop: everything but tests/vllm and tests/sglang (and the few tests elsewhere marked vllm
+# or sglang), on a venv without either engine. Not enough before a push: CI runs make test.
+test-fast: $(VENV)/.test
+	$(PY) -m pytest -q -ra $(XDIST) --ignore=tests/vllm --ignore=tests/sglang -m "not vllm and not sglang" $(PYTEST_ARGS)
 
 $(VENV)/.lint: $(VENV)/.test
 	$(PIP) install -q -e '.[lint]'

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # tests.integration.elastic_support: the model-less vLLM driver the tests use
+sys.path.insert(0, REPO)  # tests.vllm.elastic_support: the model-less vLLM driver the tests use
 
 os.environ.setdefault("KVCACHED_ELASTIC", "1")
 BLOCK_BYTES = 32 * 1024
@@ -274,7 +274,7 @@ def bench_trace(seed: int = 3) -> float:
     from kvcached.integration.vllm.patches import REGISTRY
     from kvcached.node.segment import create_segment
     from kvcached.runtime import kvbuffer
-    from tests.integration import elastic_support as es
+    from tests.vllm import elastic_support as es
 
     assert REGISTRY.apply(("elastic-kv",))["elastic-kv"] is PatchStatus.APPLIED
     rnd = random.Random(seed)

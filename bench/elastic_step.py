@@ -64,7 +64,7 @@ class Side:
 
     def arrive(self) -> None:
         """One new request: the same prompt and length on both sides for the same arrival number."""
-        from tests.integration import elastic_support as es
+        from tests.vllm import elastic_support as es
 
         i = self.arrived
         self.arrived += 1
@@ -124,7 +124,7 @@ def sides() -> Iterator[tuple[Side, Side, Any]]:
     from kvcached.integration.vllm.patches import REGISTRY
     from kvcached.node.segment import create_segment
     from kvcached.runtime import kvbuffer
-    from tests.integration import elastic_support as es
+    from tests.vllm import elastic_support as es
 
     os.environ["KVCACHED_ELASTIC"] = "1"
     assert REGISTRY.apply(("elastic-kv",))["elastic-kv"] is PatchStatus.APPLIED

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make vLLM 0.33.0 importable without a GPU, in the *current* Python (activate
 # the venv first). Used by .ci/run and by developers before the vLLM
-# integration tests (tests/integration).
+# integration tests (tests/vllm).
 #
 # vLLM's own dependency set wants a CUDA torch 2.14 and a pile of GPU kernels,
 # so vLLM goes in with --no-deps and we add only what its modules import at

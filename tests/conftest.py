@@ -23,7 +23,9 @@ from kvcached.node.layout import Layout
 # as an unused import (F401) that each test's parameter redefines (F811).
 pytest_plugins = ["tests.fs.engine_plant", "tests.fs.gpu_fixtures"]
 
-TEST_USER = "kvctest"
+# One user per xdist worker (PYTEST_XDIST_WORKER: gw0, gw1, ...): a worker that removes its user at its end
+# must not take it from under another worker's test.
+TEST_USER = "kvctest" + os.environ.get("PYTEST_XDIST_WORKER", "")
 REPO = Path(__file__).resolve().parents[1]
 # The installed command, as an operator runs it: the venv's bin/, next to this interpreter.
 KVCTL = str(Path(sys.executable).with_name("kvctl"))
@@ -71,22 +73,74 @@ def pytest_configure(config: pytest.Config) -> None:
     # before any test imports them so that every child inherits it: vLLM's ZMQ sockets
     # (<base>/<uuid4>, left behind when a test kills a serve, as a crash would) and torch's
     # inductor cache (/tmp/torchinductor_<user>).
-    scratch = tempfile.mkdtemp(prefix="kvtest-scratch-", dir="/tmp")
-    config._kvcached_scratch = scratch  # type: ignore[attr-defined]
-    for var, sub in (("VLLM_RPC_BASE_PATH", "rpc"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
-        if var not in os.environ:
+    # An xdist worker inherits the controller's: it makes none of its own.
+    unset = [(var, sub) for var, sub in (("VLLM_RPC_BASE_PATH", "rpc"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"))
+             if var not in os.environ]
+    if unset:
+        scratch = tempfile.mkdtemp(prefix="kvtest-scratch-", dir="/tmp")
+        config._kvcached_scratch = scratch  # type: ignore[attr-defined]
+        for var, sub in unset:
             os.makedirs(os.path.join(scratch, sub))
             os.environ[var] = os.path.join(scratch, sub)
     # Engines started by tests (the harness's, vLLM's in process) do not sweep their node at start-up: a test
     # plants dead state to see what kvctl or the owner makes of it, and a sweep in the background would race
     # it. The sweep's own tests (tests/fs/test_startup_sweep.py) turn it on for the engines they start.
     os.environ.setdefault("KVCACHED_STARTUP_SWEEP", "0")
+    if _is_worker(config):
+        return  # what follows is the session's, done once: by the process that starts the workers and outlives them
     config._kvcached_psm_before = _vllm_shm()  # type: ignore[attr-defined]
     try:
         _require_vllm()
     except pytest.UsageError:
         pytest_unconfigure(config)  # pytest will not: leave nothing of this session behind
         raise
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    """Whether this process is a pytest-xdist worker (`make test` runs two), not the session's controller."""
+    return hasattr(config, "workerinput")
+
+
+SGLANG_TESTS = "tests/sglang/"
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: absent without it, and then never called
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`--dist loadfile` (make test's), with every SGLang test one unit: they share the worker that runs them.
+
+    A file is a unit, so a module's tests share its module fixtures (its
+    serves, started once). tests/sglang as a whole is one: its tests share
+    the zygote and the in-process SGLang import (20 CPU seconds each, per
+    worker that would start them). Another `--dist` is xdist's own.
+    """
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SGLangTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SGLANG_TESTS if nodeid.startswith(SGLANG_TESTS) else super()._split_scope(nodeid)
+
+    return SGLangTogether(config, log)  # type: ignore[arg-type]
+
+
+VLLM_TESTS = "tests/vllm/"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The vLLM tests first, then the SGLang tests, then the rest, in one process as on xdist's workers.
+
+    The vLLM tests fork whole serves from the test process, and a serve forked
+    from a process that imported SGLang (the `sgl` fixture) never gets its
+    workers up: no vLLM test may run after an SGLang one in the same process.
+    xdist hands out units in collection order, so by the time a worker takes
+    the SGLang unit (the longest) every vLLM file is handed out, and the rest
+    fill both workers around it. Every worker orders alike, as xdist requires.
+    """
+    def rank(item: pytest.Item) -> int:
+        return 0 if item.nodeid.startswith(VLLM_TESTS) else 1 if item.nodeid.startswith(SGLANG_TESTS) else 2
+
+    items.sort(key=rank)  # stable: each part keeps its own order
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -2,8 +2,25 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
+
+
+def wait_until(cond: Callable[[], object], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Poll `cond` until it is true or `timeout` seconds passed; whether it became true.
+
+    For a wait whose caller asserts on what it finds after it (the state may
+    tell more than "not met"); `cond` may do work between its checks (read a
+    terminal) and may raise to stop the wait early.
+    """
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        if interval:
+            time.sleep(interval)
+    return True
 
 
 def wait_for(cond: Callable[[], object], timeout: float = 10.0, interval: float = 0.02,
@@ -12,11 +29,23 @@ def wait_for(cond: Callable[[], object], timeout: float = 10.0, interval: float 
 
     `explain` is called only on failure, for what the state was then.
     """
+    if not wait_until(cond, timeout, interval):
+        raise AssertionError(f"not met within {timeout:g}s" + (f": {explain()}" if explain else ""))
+
+
+def wait_notified(cv: threading.Condition, cond: Callable[[], object], timeout: float = 10.0,
+                  explain: Callable[[], object] | None = None) -> None:
+    """wait_for for a condition another thread announces through `cv` (held by the caller): woken at once.
+
+    Checked at least once a second even without a notify, so a `cond` that
+    raises when the thread's source died (its process exited) stops the wait.
+    """
     deadline = time.monotonic() + timeout
     while not cond():
-        if time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             raise AssertionError(f"not met within {timeout:g}s" + (f": {explain()}" if explain else ""))
-        time.sleep(interval)
+        cv.wait(min(left, 1.0))
 
 
 def proc_state(pid: int, proc_root: str = "/proc") -> str | None:

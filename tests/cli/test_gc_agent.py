@@ -23,6 +23,7 @@ from kvcached.node.layout import Layout
 from kvctl.exitcodes import Exit
 
 from ..fs.helpers import backdate, stale_socket
+from ..waiting import wait_for
 from .conftest import KVCTL, assert_one_line_error, kvctl
 
 FAST = {"KVCTL_EVERY_MIN_S": "0.001"}
@@ -74,10 +75,7 @@ def _probe(path: Path, max_age: str) -> subprocess.CompletedProcess[str]:
 
 
 def _wait(cond, timeout: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    wait_for(cond, timeout, interval=0.05, explain=lambda: f"waiting for {what}")
 
 
 def test_the_heartbeat_follows_the_runs_and_the_probe_sees_a_stopped_loop(layout, tmp_path, agents) -> None:

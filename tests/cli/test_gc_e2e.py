@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 
 from kvcached.node.gclock import GcLock
 from kvcached.runtime.harness import start_deployment
 from kvcached.runtime.ipc.client import ping
 
+from ..waiting import wait_until
 from .conftest import KVCTL, Run, assert_one_line_error, kvctl
 
 
@@ -121,12 +121,14 @@ def test_orphaned_workers_are_reported_and_killed_only_on_request(layout, uniq: 
     os.kill(dep.engine_pid, signal.SIGKILL)  # the engine dies; its workers live on, reparented
     dep.api.wait(10)
     workers = sorted(dep.worker_pids.values())
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        doc = kvctl("--root", layout.root, "inspect", "--json").json("inspect")
-        if sorted(doc["deployments"][0]["orphans"]) == workers:
-            break
-        time.sleep(0.1)
+    docs = []
+
+    def orphans_shown() -> bool:
+        docs.append(kvctl("--root", layout.root, "inspect", "--json").json("inspect"))
+        return sorted(docs[-1]["deployments"][0]["orphans"]) == workers
+
+    wait_until(orphans_shown, 60, interval=0.1)
+    doc = docs[-1]
     procs = {p["pid"]: p for p in doc["deployments"][0]["processes"]}
     assert sorted(doc["deployments"][0]["orphans"]) == workers
     assert all("engine is gone" in procs[w]["orphan_reason"] for w in workers)

@@ -18,14 +18,13 @@ import struct
 import subprocess
 import sys
 import termios
-import time
 
 import pytest
 
 from kvcached.node.segment import create_segment, write_segment
 
 from ..fs.helpers import backdate, stale_socket
-from ..waiting import wait_for_state
+from ..waiting import wait_for_state, wait_until
 from .conftest import KVCTL, REPO, kvctl
 from .test_commands import COMMANDS
 
@@ -41,10 +40,12 @@ def on_pty(args: list[str], *, cols: int = 80, rows: int = 40, keys: bytes = b""
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
     out = b""
     sent = not keys
-    deadline = time.monotonic() + timeout
     status = None
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([fd], [], [], 0.1)
+
+    def finished() -> bool:
+        """One turn of the terminal: read what it printed, type the keys once, reap the program once it exited."""
+        nonlocal out, sent, status
+        ready, _, _ = select.select([fd], [], [], 0.1)  # the wait's own pause, while nothing is printed
         if ready:
             try:
                 chunk = os.read(fd, 65536)
@@ -56,17 +57,20 @@ def on_pty(args: list[str], *, cols: int = 80, rows: int = 40, keys: bytes = b""
             os.write(fd, keys)
             sent = True
         done, st = os.waitpid(pid, os.WNOHANG)
-        if done:
-            status = st
-            try:
-                while select.select([fd], [], [], 0.2)[0]:
-                    chunk = os.read(fd, 65536)
-                    if not chunk:
-                        break
-                    out += chunk
-            except OSError:
-                pass
-            break
+        if not done:
+            return False
+        status = st
+        try:
+            while select.select([fd], [], [], 0.2)[0]:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                out += chunk
+        except OSError:
+            pass
+        return True
+
+    wait_until(finished, timeout, interval=0)
     os.close(fd)
     if status is None:
         os.kill(pid, signal.SIGKILL)

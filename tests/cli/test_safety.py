@@ -15,6 +15,7 @@ from kvcached.node.gclock import GcLock
 from kvcached.node.segment import create_segment, read_segment, write_segment
 
 from ..fs.helpers import backdate, stale_socket
+from ..waiting import wait_until
 from .conftest import KVCTL, Run, assert_one_line_error, invoke, kvctl
 
 
@@ -187,9 +188,7 @@ def test_a_killed_gc_rerun_reaches_a_clean_node(layout, uniq) -> None:
     p = subprocess.Popen([KVCTL, "--root", layout.root, "gc", "--yes"], stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, env={**os.environ, **lock_env(layout)})
     n0 = len(os.listdir(layout.shm_dir))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and p.poll() is None and len(os.listdir(layout.shm_dir)) > n0 - 20:
-        time.sleep(0.001)
+    wait_until(lambda: p.poll() is not None or len(os.listdir(layout.shm_dir)) <= n0 - 20, 60, interval=0.001)
     p.send_signal(signal.SIGKILL)
     p.wait()
     # Whatever the moment of the kill: no segment has lost the directory that names it.

@@ -24,6 +24,8 @@ from kvcached.node.decide import Policy, State
 from kvcached.node.engines import EngineReason, plan_engines
 from kvcached.node.layout import Layout
 
+from ..waiting import wait_until
+
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
 
@@ -112,9 +114,7 @@ def test_a_creator_inside_a_container_is_found_by_its_inner_pid(layout: Layout, 
     assert p.stdin is not None
     p.stdin.close()  # PID 2 reads its end of file and exits, then the namespace's init
     p.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while os.path.exists(f"/proc/{host}") and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not os.path.exists(f"/proc/{host}"), 30, interval=0.05)
     ((c, d),) = plan_engines(layout, Policy(grace=60), names=[os.path.basename(alive)]).entries()
     assert (d.state, d.reason) == (State.STALE, EngineReason.CREATOR_GONE), d
 

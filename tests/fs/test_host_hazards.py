@@ -27,6 +27,7 @@ from kvcached.node.layout import Layout
 from kvcached.node.segment import create_segment
 
 from ..conftest import KVCTL, REPO
+from ..waiting import wait_until
 from .helpers import backdate
 
 CONTRIB = REPO / "contrib" / "tmpfiles.d" / "kvcached.conf"
@@ -66,15 +67,15 @@ def engine_as_user(unpriv_user) -> Iterator[int]:  # type: ignore[no-untyped-def
         pytest.skip("setpriv(1) is not installed")
     p = subprocess.Popen(["setpriv", f"--reuid={unpriv_user.pw_uid}", f"--regid={unpriv_user.pw_gid}",
                           "--clear-groups", "bash", "-c", "exec -a VLLM::EngineCore sleep 60"])
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
+
+    def titled() -> bool:
         try:
             with open(f"/proc/{p.pid}/cmdline", "rb") as f:
-                if f.read().startswith(b"VLLM::EngineCore"):
-                    break
+                return f.read().startswith(b"VLLM::EngineCore")
         except OSError:
-            pass
-        time.sleep(0.02)
+            return False
+
+    wait_until(titled, 5)
     yield p.pid
     p.kill()
     p.wait()

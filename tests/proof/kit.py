@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 from kvcached.node.layout import Layout
 
 from ..conftest import KVCTL
+from ..waiting import wait_until
 
 PID = os.getpid()
 
@@ -39,16 +39,16 @@ class Helper:
                                      start_new_session=True, stdin=subprocess.DEVNULL)
         self.pid = self.proc.pid
         self.ipc_name = ipc_name
-        deadline = time.monotonic() + 60
-        # Wait until /proc shows the exec'd python (environ is only the new one after exec).
-        while time.monotonic() < deadline:
+
+        def execd() -> bool:
             try:
                 with open(f"/proc/{self.pid}/cmdline", "rb") as f:
-                    if b"time.sleep" in f.read():
-                        break
+                    return b"time.sleep" in f.read()
             except OSError:
-                pass
-            time.sleep(0.01)
+                return False
+
+        # Wait until /proc shows the exec'd python (environ is only the new one after exec).
+        wait_until(execd, 60, interval=0.01)
         with open(f"/proc/{self.pid}/stat", "rb") as f:
             ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
         with open("/proc/stat", "rb") as f:

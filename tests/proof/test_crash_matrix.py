@@ -31,7 +31,7 @@ from kvcached.runtime.harness import Deployment
 from kvcached.runtime.ipc.client import ping
 
 from ..conftest import KVCTL
-from ..waiting import proc_state, wait_for_state
+from ..waiting import proc_state, wait_for_state, wait_until
 from .kit import uniq
 
 DEFAULT_SHAPES = [(1, 1), (2, 2)]
@@ -47,12 +47,7 @@ def _alive(pid: int) -> bool:
 
 
 def _wait_dead(pids: list[int], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return True
-        time.sleep(0.02)
-    return False
+    return wait_until(lambda: not any(_alive(p) for p in pids), timeout)
 
 
 def _tree(layout: Layout) -> list[str]:

@@ -13,6 +13,8 @@ from kvcached.node.decide import Policy, State
 from kvcached.node.facts import gather_facts
 from kvcached.node.layout import Layout
 
+from ..waiting import wait_until
+
 
 def test_stale_socket_in_stage_dir_of_live_deployment_is_removed(node: Layout) -> None:
     """A PP stage-1 worker died (its node is stale) while another worker of the stage serves.
@@ -160,14 +162,14 @@ def test_worker_exits_on_a_second_sigterm_during_teardown(node: Layout) -> None:
         p = subprocess.Popen([sys.executable, "-m", "kvcached.runtime.harness", "--role", "worker", "--name", name,
                               "--root", node.root, "--rank", "0"], stdin=subprocess.DEVNULL)
         try:
-            deadline = time.monotonic() + 60  # generous: a loaded machine starts Python slowly
-            while True:
+            def serving(name: str = name) -> bool:
                 try:
                     ping(node.socket_path(name, 0), timeout=1.0)
-                    break
                 except Exception:
-                    assert time.monotonic() < deadline, "worker did not start"
-                    time.sleep(0.02)
+                    return False
+                return True
+
+            assert wait_until(serving, 60), "worker did not start"  # generous: a loaded machine starts Python slowly
             p.send_signal(signal.SIGTERM)
             time.sleep(gap)
             p.send_signal(signal.SIGTERM)

@@ -87,7 +87,11 @@ def zygote_early(request) -> None:
     """The zygote started with the first SGLang test when any selected test forks from it.
 
     Its import (about 20 CPU seconds) then runs beside the single-core tests
-    before test_launch, not in front of the first serve.
+    before test_launch, not in front of the first serve. Not under xdist:
+    there every worker sees every test, but only the one that runs the SGLang
+    tests (one unit, tests/conftest.py) needs a zygote, and they run first.
     """
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if any("zygote" in getattr(item, "fixturenames", ()) for item in request.session.items):
         request.getfixturevalue("zygote")

@@ -21,23 +21,14 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
 import torch
 
+from tests.engines_common import PAGE, check_or_fail  # noqa: F401 - the elastic tests take both from here
+
 LAYERS, HEADS, HEAD_DIM = 3, 8, 64  # fp16: 1 KiB per token per K (and per V) per layer
-PAGE = 64 * 1024  # KVCACHED_PAGE_SIZE in these tests: 64 tokens make a group at page size 1
 TOKEN_BYTES = 2 * LAYERS * HEADS * HEAD_DIM * 2  # K and V of every layer, one token
 GROUP_TOKENS = PAGE // (HEADS * HEAD_DIM * 2)  # tokens whose K of one layer fill a page: 64
 GROUP_BYTES = GROUP_TOKENS * TOKEN_BYTES  # what one group costs: a page per layer for K and for V
-
-
-def check_or_fail(elastic: bool, check: Any) -> None:
-    """Run `check`; with SGLang's own classes it must fail: the claim is kvcached's, not SGLang's."""
-    if elastic:
-        check()
-    else:
-        with pytest.raises(AssertionError):
-            check()
 
 
 def mha_pool(elastic: bool, size: int, page_size: int = 1, **kw: Any) -> Any:

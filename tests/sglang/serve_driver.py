@@ -205,6 +205,32 @@ def _state(root: str) -> list[str]:
     return sorted(p for p in out if p != f"tmp/{LOCK_NAME}")
 
 
+def free_dp_attention_port(attempts: int = 200) -> int:
+    """An HTTP port for ServerArgs whose derived DP-attention TCP ports are all free now.
+
+    With DP attention SGLang's main and schedulers talk over TCP on ports
+    derived from the HTTP port (`port + ZMQ_TCP_PORT_DELTA` and the six after
+    it; 30233-30239 for the default 30000), which two suites on one machine, or
+    two serves of one, would share. The span is drawn below 22000, where
+    SGLang's own free-port draw for its NCCL port (22000-29999) never lands.
+    """
+    import random
+    import socket
+
+    from sglang.srt.server_args import ZMQ_TCP_PORT_DELTA
+
+    for port in random.sample(range(10000, 21000), attempts):
+        span = range(port + ZMQ_TCP_PORT_DELTA, port + ZMQ_TCP_PORT_DELTA + 8)
+        try:
+            for p in span:
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("kvtest: no free span of ports for a DP-attention serve")
+
+
 def _launch(args: argparse.Namespace):  # noqa: ANN202 - SGLang's own types
     from sglang.srt.plugins import load_plugins
 
@@ -219,7 +245,8 @@ def _launch(args: argparse.Namespace):  # noqa: ANN202 - SGLang's own types
     # refuses "auto".
     server_args = ServerArgs(model_path="dummy", device="cpu", tp_size=args.tp, dp_size=args.dp,
                              enable_dp_attention=args.dp_attention, log_level="info", skip_tokenizer_init=True,
-                             load_balance_method="round_robin")
+                             load_balance_method="round_robin",
+                             **({"port": free_dp_attention_port()} if args.dp_attention else {}))
     server_args.resolve_once()
     _set_envs_and_config(server_args)
     publish(server_args, role="tokenizer")

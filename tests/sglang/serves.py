@@ -23,7 +23,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ import psutil
 
 from kvcached.node.gclock import LOCK_NAME
 from tests.sglang.cpu_env import REPO, child_env
-from tests.waiting import wait_for
+from tests.waiting import wait_for, wait_notified
 
 READY_TIMEOUT = 420.0  # the schedulers of several serves import SGLang at once on a busy 2-core machine
 CLEANUP = ("sglang-scheduler-stop", "sglang-owner-cleanup")  # every patch that gives state back; the rest makes it
@@ -89,13 +88,15 @@ class Zygote:
             self._cond.notify_all()
 
     def _wait(self, what: str, cond, timeout: float):  # noqa: ANN001, ANN202
-        deadline = time.monotonic() + timeout
+        def met() -> bool:
+            if cond():
+                return True
+            if self.proc.poll() is not None:
+                raise AssertionError(f"zygote: {what}: the zygote exited (rc {self.proc.poll()})")
+            return False
+
         with self._cond:
-            while not cond():
-                left = deadline - time.monotonic()
-                if left <= 0 or self.proc.poll() is not None:
-                    raise AssertionError(f"zygote: {what} not within {timeout:g}s (zygote rc {self.proc.poll()})")
-                self._cond.wait(min(left, 1.0))
+            wait_notified(self._cond, met, timeout, explain=lambda: f"zygote: {what}")
 
     def fork(self, key: str, argv: list[str], env: dict[str, str], cwd: str, log: str,
              module: str = "tests.sglang.serve_driver", *, code: str | None = None, err: str | None = None) -> int:
@@ -201,11 +202,17 @@ class Serve:
         if name in self.reports:
             return self.reports[name]
         path = Path(f"{self.report_base}.{name}")
-        wait_for(lambda: path.exists() or self.zygote.status(self.spec.key, 0) is not None, timeout=timeout,
-                 interval=0.2, explain=self.tail)
-        if not path.exists():
-            raise AssertionError(f"{self.spec.key}: main exited {self.zygote.status(self.spec.key, 0)} before its "
-                                 f"{name} report:\n{self.tail()}")
+        try:
+            wait_for(lambda: path.exists() or self.zygote.status(self.spec.key, 0) is not None, timeout=timeout,
+                     interval=0.2, explain=self.tail)
+            if not path.exists():
+                raise AssertionError(f"{self.spec.key}: main exited {self.zygote.status(self.spec.key, 0)} before "
+                                     f"its {name} report:\n{self.tail()}")
+        except AssertionError:
+            # At once, not at the module's end: a DP serve whose main is gone leaves its data_parallel_controller
+            # polling for a ready message that never comes, on a whole core, while the next tests run.
+            self.kill()
+            raise
         self.reports[name] = json.loads(path.read_text())
         return self.reports[name]
 
@@ -257,7 +264,7 @@ def _session(sid: int) -> list[psutil.Process]:
 
 
 def gone(pid: int) -> bool:
-    """Dead: no such process, or a zombie."""
+    """Dead: no such process, or a zombie (SGLang's own test of "released", _still_holding_resources)."""
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from tests.sglang.cpu_env import child_env
-from tests.sglang.serves import READY_TIMEOUT, Zygote
+from tests.sglang.serves import READY_TIMEOUT, Zygote, gone
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.sglang
@@ -99,14 +99,6 @@ def mains(zygote, sgl_scratch, tmp_path_factory) -> Iterator[dict[str, Main]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _gone(pid: int) -> bool:
-    """Dead: no such process, or a zombie (SGLang's own test of "released", _still_holding_resources)."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 @pytest.fixture(scope="module")
 def tree(mains) -> dict:
     """The TP = 2, PP = 2 launch's report, once its main returned from kill_process_tree (its exit status in rc)."""
@@ -172,17 +164,17 @@ def test_kill_process_tree_with_the_parent_sigkills_main_before_anything_after_i
     assert [i["title"] for i in report["infos"]] == ["sglang::scheduler"]
     assert main.wait() == -signal.SIGKILL
     assert "still running" not in main.out
-    wait_for(lambda: all(_gone(pid) for pid in report["procs"]), timeout=20)
+    wait_for(lambda: all(gone(pid) for pid in report["procs"]), timeout=20)
 
 
 def test_a_scheduler_dies_with_its_parent(mains) -> None:
     """"Kill myself when my parent dies" (PR_SET_PDEATHSIG, SIGKILL): SIGKILL main alone and the scheduler follows."""
     main = mains["sigkill"]
     children = main.report()["procs"]
-    assert not any(_gone(pid) for pid in children)
+    assert not any(gone(pid) for pid in children)
     os.kill(main.pid, signal.SIGKILL)
     assert main.wait() == -signal.SIGKILL
-    wait_for(lambda: all(_gone(pid) for pid in children), timeout=20)
+    wait_for(lambda: all(gone(pid) for pid in children), timeout=20)
 
 
 def test_main_arms_the_launch_phase_sigquit_handler(mains) -> None:
@@ -192,4 +184,4 @@ def test_main_arms_the_launch_phase_sigquit_handler(mains) -> None:
     assert "launch_phase_sigquit_handler" in report["main"]["sigquit"]
     os.kill(main.pid, signal.SIGQUIT)
     assert main.wait() == -signal.SIGKILL
-    wait_for(lambda: all(_gone(pid) for pid in report["procs"]), timeout=20)
+    wait_for(lambda: all(gone(pid) for pid in report["procs"]), timeout=20)

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.sglang
 WATCHDOG = '''
 import json, multiprocessing as mp, os, signal, sys, time
 from sglang.srt.utils.watchdog import SubprocessWatchdog
+from tests.waiting import wait_until
 
 got = []
 signal.signal(signal.SIGQUIT, lambda signum, frame: got.append(signum))
@@ -37,9 +38,7 @@ watchdog = SubprocessWatchdog(procs, [f"child{i}" for i in range(len(procs))], i
 watchdog.start()
 for p in procs:
     p.join()
-deadline = time.monotonic() + 3
-while not got and time.monotonic() < deadline:
-    time.sleep(0.05)
+wait_until(lambda: got, 3, interval=0.05)
 watchdog.stop()
 print(json.dumps({"sigquit": got, "exitcodes": [p.exitcode for p in procs]}))
 '''

@@ -145,7 +145,7 @@ def test_lookalikes_in_dev_shm_never_match(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", [
-    str(uuid.uuid1()),                                # another version
+    str(uuid.UUID(int=0x1234, version=1)),            # another version
     "a0b1c2d3-e4f5-4a6b-8c7d-e8f9a0b1c2d3".upper(),   # str(uuid4()) is lowercase
     "0123456789abcdef0123456789abcdef",               # uuid4().hex: not vLLM's spelling
     str(uuid.UUID(int=0x1234, version=4)) + ".sock",

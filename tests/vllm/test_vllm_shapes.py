@@ -16,10 +16,11 @@ import json
 import os
 import signal
 import subprocess
-import time
 from typing import Any
 
 import pytest
+
+from ..waiting import wait_until
 
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed here (run scripts/install-vllm.sh in this venv)")
 pytestmark = pytest.mark.vllm
@@ -105,9 +106,7 @@ def expect_live(layout: Layout, s: Serve, ranks: dict[str, list[int]], tp: int =
 
 def expect_nothing_left(layout: Layout, s: Serve, timeout: float = 30.0) -> None:
     """Every process of the serve gone, and nothing of it left on the node."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not all(gone(p) for p in s.pids):
-        time.sleep(0.05)
+    wait_until(lambda: all(gone(p) for p in s.pids), timeout, interval=0.05)
     assert all(gone(p) for p in s.pids), [p for p in s.pids if not gone(p)]
     assert node_entries(layout) == []
     assert kvctl(layout, "inspect", "--json")[1]["deployments"] == []
@@ -153,15 +152,13 @@ def test_tp1_engine_serves_its_rank_and_claims_the_segment(layout, uniq, start, 
 
 def serves_segment(layout: Layout, name: str, pred: Any, timeout: float = 10.0) -> bool:
     """Wait until the segment of `name`, as kvctl inspect reads it, satisfies `pred`."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def served() -> bool:
         view = kvctl(layout, "inspect", name, "--json")[1]
         seg = view["deployments"][0]["segment"] if view and view.get("deployments") else None
-        if seg is not None and pred(seg):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
+        return seg is not None and bool(pred(seg))
+
+    return wait_until(served, timeout, interval=0.1)
 
 
 @both
@@ -298,9 +295,7 @@ def test_executor_removes_the_socket_of_a_worker_that_died(layout, uniq, start, 
     else:
         expect_nothing_made(layout)
     os.kill(dead, signal.SIGKILL)  # no cleanup of its own: its node stays behind
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not (gone(dead) and gone(survivor) and node_entries(layout) == []):
-        time.sleep(0.05)
+    wait_until(lambda: gone(dead) and gone(survivor) and node_entries(layout) == [], 30, interval=0.05)
     assert gone(dead) and gone(survivor)  # vLLM's monitor shut the executor down, terminating the survivor
     assert node_entries(layout) == []
     assert s.call("stop") == "stopped"
@@ -319,9 +314,7 @@ def test_a_starting_vllm_serve_sweeps_what_dead_serves_left(layout, uniq, start_
     live = start_deployment(f"{uniq}live", 2, 1, layout=layout)  # the session's environment: its sweep is off
     deployments.append(live)
     s = start_env(Shape(owner="api", tp=1), {"KVCACHED_STARTUP_SWEEP": "1"})
-    deadline = time.monotonic() + 60
-    while any(os.path.lexists(p) for p in dead) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not any(os.path.lexists(p) for p in dead), 60, interval=0.05)
     assert not any(os.path.lexists(p) for p in dead)
     assert all(os.path.lexists(p) for p in state_of(live))
     code, view = kvctl(layout, "inspect", "--json")

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from ..engines_common import PAGE
+
 VLLM_SKIP = "vLLM 0.33 is not installed here (run scripts/install-vllm.sh in this venv)"
 
 
@@ -72,7 +74,7 @@ def elastic(request, monkeypatch, vllm_env) -> Iterator[bool]:
     from kvcached.runtime import kvbuffer
 
     monkeypatch.setenv("KVCACHED_ELASTIC", "1")
-    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(64 * 1024))  # elastic_support.PAGE
+    monkeypatch.setenv("KVCACHED_PAGE_SIZE", str(PAGE))
     monkeypatch.setenv("KVCACHED_ELASTIC_RELEASE_DELAY_S", "0")
     on = bool(getattr(request, "param", True))
     REGISTRY.revert()

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
 import torch
 import torch.nn as nn
 from vllm import ModelRegistry
@@ -34,9 +33,9 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker import utils as worker_utils
 
 from .. import conftest
+from ..engines_common import PAGE, check_or_fail  # noqa: F401 - the elastic tests take both from here
 
 ARCH = "KvcachedStandInForCausalLM"
-PAGE = 64 * 1024  # KVCACHED_PAGE_SIZE in the `elastic` fixture: a few blocks make a page
 BLOCK_SIZE = 16
 EOS = 999
 
@@ -58,15 +57,6 @@ ModelRegistry.register_model(ARCH, KvcachedStandInForCausalLM)
 
 #: Run a test with the elastic-kv patch on and off (the `elastic` fixture of conftest.py).
 both = conftest.both("elastic")
-
-
-def check_or_fail(on: bool, check: Callable[[], None]) -> None:
-    """Run `check`; with the patch off it must fail: the claim is kvcached's, not vLLM's."""
-    if on:
-        check()
-    else:
-        with pytest.raises(AssertionError):
-            check()
 
 
 def model_dir(root: str) -> str:

@@ -30,6 +30,8 @@ from kvcached.node.lease import SegmentLease
 from kvcached.node.segment import create_segment
 from kvcached.runtime.ipc.listener import WorkerListener
 
+from ..waiting import wait_until
+
 
 @dataclass
 class Spec:
@@ -72,14 +74,19 @@ def _write_pid(spec: Spec, what: str, pid: int | None = None) -> None:
 
 def read_pid(spec: Spec, what: str, timeout: float = 20.0) -> int:
     """The pid a stand-in published as `what`, waiting for it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    got: list[int] = []
+
+    def published() -> bool:
         try:
             with open(spec.pid_file(what)) as f:
-                return int(f.read())
+                got.append(int(f.read()))
         except (FileNotFoundError, ValueError):
-            time.sleep(0.02)
-    raise TimeoutError(f"stand-in {what} did not start")
+            return False
+        return True
+
+    if not wait_until(published, timeout):
+        raise TimeoutError(f"stand-in {what} did not start")
+    return got[0]
 
 
 def map_buffer(directory: str, name: str, size: int = 1 << 16) -> mmap.mmap:

@@ -24,11 +24,12 @@ import gc
 import multiprocessing
 import os
 import signal
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
+
+from ..waiting import wait_until
 
 READY_TIMEOUT = 180.0  # a spawned worker imports vLLM and torch afresh: tens of seconds on a busy machine
 
@@ -201,12 +202,12 @@ def start(shape: Shape, root: str, name: str, patched: bool, env: dict[str, str]
     proc = ctx.Process(target=_owner_main, args=(child, shape, root, name, patched, dict(env or {})), daemon=False)
     proc.start()
     child.close()
-    deadline = time.monotonic() + READY_TIMEOUT
-    while not parent.poll(0.2):
-        if not proc.is_alive() or time.monotonic() > deadline:
-            proc.kill()
-            proc.join(10)
-            raise RuntimeError(f"serve {shape} did not start (owner exit {proc.exitcode})")
+    # parent.poll blocks up to its interval itself: the wait sleeps no more on top of it.
+    if not wait_until(lambda: parent.poll(0.2) or not proc.is_alive(), READY_TIMEOUT, interval=0) \
+            or not parent.poll():
+        proc.kill()
+        proc.join(10)
+        raise RuntimeError(f"serve {shape} did not start (owner exit {proc.exitcode})")
     info = parent.recv()
     return Serve(shape, name, proc, parent, info["owner"], info["engines"],
                  {int(k): v for k, v in info["workers"].items()}, info["sigterm_default"])

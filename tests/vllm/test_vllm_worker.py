@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from ..waiting import wait_until
+
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed here (run scripts/install-vllm.sh in this venv)")
 pytestmark = pytest.mark.vllm
 
@@ -185,9 +187,7 @@ def test_sigterm_through_vllms_worker_main_stops_the_listener(no_gpu_worker, vll
         ready_w.close()
         assert ready_r.poll(30) and ready_r.recv()["status"] == "READY"
         path = layout.socket_path(vllm_env, 1)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: os.path.exists(path), 60)
         assert Client(path).ping()["pid"] == proc.pid  # serving: the listener is fully up
         os.kill(proc.pid, signal.SIGTERM)
         proc.join(15)
