@@ -2,6 +2,11 @@
 
 tests/fs/places_node.py builds the node inside a private mount namespace (nothing of the machine's mount
 table changes; the mounts go with it) and runs the installed kvctl there: the scenarios are in its docstring.
+
+-A looks at every mount namespace of the machine, so two of these nodes built at once would judge each
+other's containers: the module's tests share one node (a module fixture), and `make test`'s
+`--dist loadfile` keeps the file on one worker. Every planted file is backdated an hour and kvctl keeps the
+default grace age, so another test's fresh files in a namespace of its own are young to it, never removed.
 """
 
 from __future__ import annotations
