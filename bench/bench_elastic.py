@@ -201,7 +201,7 @@ def bench_step(rounds: int, steps: int) -> float:
 
 
 def bench_pool(rounds: int, steps: int) -> float:
-    from kvcached.node.segment import create_segment
+    from kvcached.node.state.segment import create_segment
 
     ops = _script(steps)
     with tempfile.TemporaryDirectory() as tmp:
@@ -270,9 +270,9 @@ def bench_trace(seed: int = 3) -> float:
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
     from kvcached.integration.patchkit import PatchStatus
-    from kvcached.integration.vllm import elastic_kv
+    from kvcached.integration.vllm import elastic
     from kvcached.integration.vllm.patches import REGISTRY
-    from kvcached.node.segment import create_segment
+    from kvcached.node.state.segment import create_segment
     from kvcached.runtime import kvbuffer
     from tests.vllm import elastic_support as es
 
@@ -284,7 +284,7 @@ def bench_trace(seed: int = 3) -> float:
         vc = es.vllm_config(tmp, prefix_caching=False, max_num_seqs=64, max_batched=2048)
         groups = [KVCacheGroupSpec(["model.layers.0.attn"], _spec())]
         cfg = es.kv_cache_config(vc, 4096, groups=groups)
-        elastic_kv.prepare_engine([cfg], "local", segment_path=seg)
+        elastic.prepare_engine([cfg], "local", segment_path=seg)
         kv = es.allocate(cfg, vc)
         buf = kvbuffer.local_buffer()
         assert buf is not None
@@ -312,7 +312,7 @@ def bench_trace(seed: int = 3) -> float:
                 steps += 1
         driver.run()
     REGISTRY.revert()
-    elastic_kv.forget_engine()
+    elastic.forget_engine()
     kvbuffer.set_local_buffer(None)
     del torch
     ratio = peak_mapped / peak_used

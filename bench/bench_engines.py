@@ -38,11 +38,11 @@ import time
 
 from bench_gc import make_stale_node
 
-from kvcached.node.cleanup import execute, plan
-from kvcached.node.decide import Policy
-from kvcached.node.engines import plan_engines
-from kvcached.node.facts import gather_facts
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean.cleanup import execute, plan
+from kvcached.node.clean.decide import Policy
+from kvcached.node.clean.facts import gather_facts
+from kvcached.node.clean.leftovers import plan_engines
 
 TREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,9 +51,9 @@ import json, sys, time
 sys.path.insert(0, sys.argv[1])
 import kvcached
 assert kvcached.__file__.startswith(sys.argv[1]), kvcached.__file__
-from kvcached.node.cleanup import execute, plan
-from kvcached.node.decide import Policy
-from kvcached.node.layout import Layout
+from kvcached.node.clean.cleanup import execute, plan
+from kvcached.node.clean.decide import Policy
+from kvcached.node.base.layout import Layout
 layout, policy, out = Layout(sys.argv[2]), Policy(grace=0.0), []
 execute(plan(layout, policy), dry_run=True)  # warm: imports, first /proc reads
 for _ in range(int(sys.argv[3])):

@@ -44,15 +44,15 @@ import sys
 import tempfile
 import time
 
-from kvcached.node.cleanup import execute, plan
-from kvcached.node.decide import Policy
-from kvcached.node.facts import gather_facts
-from kvcached.node.ident import fd_handle, file_handle
-from kvcached.node.layout import Layout
-from kvcached.node.lease import ofd_conflict, ofd_lock
-from kvcached.node.owner import WorkerSocketCleanup
-from kvcached.node.segment import create_segment
-from kvcached.node.sockdiag import BindProbe
+from kvcached.node.base.ident import fd_handle, file_handle
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean.cleanup import execute, plan
+from kvcached.node.clean.decide import Policy
+from kvcached.node.clean.facts import gather_facts
+from kvcached.node.in_engine.captured import WorkerSocketCleanup
+from kvcached.node.state.lease import ofd_conflict, ofd_lock
+from kvcached.node.state.segment import create_segment
+from kvcached.node.state.sockdiag import BindProbe
 
 KVCTL = os.path.join(os.path.dirname(sys.executable), "kvctl")
 # The environment of every process this bench starts (kvctl, the bare loop as a process): bytecode cached in a
@@ -256,10 +256,10 @@ def bench_gc(quick: bool) -> dict[int, tuple[float, float, float]]:
 
 def bench_split(quick: bool, n: int = 1000) -> None:
     """Where `kvctl gc --dry-run --json` spends its time at n deployments: each phase alone, medians."""
-    from kvcached.node.cleanup import collector_paused
-    from kvcached.node.decide import decide_tree, settle
-    from kvcached.node.gcrun import _orphans, outcome_of
-    from kvcached.node.scan import scan
+    from kvcached.node.clean.cleanup import collector_paused
+    from kvcached.node.clean.decide import decide_tree, settle
+    from kvcached.node.clean.scan import scan
+    from kvcached.node.ops.gcrun import _orphans, outcome_of
     from kvctl.documents import gc_document, json_text
     from kvctl.exitcodes import exit_of
 
@@ -287,7 +287,7 @@ def bench_split(quick: bool, n: int = 1000) -> None:
                 scan(layout, (), facts)
 
         def document() -> None:
-            from kvcached.node.gcrun import GcResult
+            from kvcached.node.ops.gcrun import GcResult
 
             res = GcResult(report=report, dry_run=True, outcome=outcome_of(report))
             json_text(gc_document(base, res, exit_of(res.outcome)))

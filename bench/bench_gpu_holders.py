@@ -33,12 +33,12 @@ import sys
 import tempfile
 import time
 
-from kvcached.node.cleanup import execute
-from kvcached.node.engines import plan_engines
-from kvcached.node.facts import gather_facts
-from kvcached.node.gcrun import make_plan
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean.cleanup import execute
+from kvcached.node.clean.facts import gather_facts
+from kvcached.node.clean.leftovers import plan_engines
 from kvcached.node.gpu import find_holders, prepare
-from kvcached.node.layout import Layout
+from kvcached.node.ops.gcrun import make_plan
 
 
 def _spawn(n: int, base: str) -> list[int]:

@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from kvcached.node.segment import create_segment
+from kvcached.node.state.segment import create_segment
 from kvcached.runtime import _kvpages
 from kvcached.runtime.pool import Geometry, KVPool, LocalMapper
 

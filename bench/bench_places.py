@@ -84,12 +84,12 @@ def build(base: str) -> tuple[str, str, str]:
 
 def host_pass(root: str) -> int:
     """gc --engines --dry-run over the host's one directory; entries judged."""
-    from kvcached.node.cleanup import execute, plan
-    from kvcached.node.decide import Policy
-    from kvcached.node.engines import plan_engines
-    from kvcached.node.facts import gather_facts
-    from kvcached.node.layout import Layout
-    from kvcached.node.report import Source
+    from kvcached.node.base.layout import Layout
+    from kvcached.node.clean.cleanup import execute, plan
+    from kvcached.node.clean.decide import Policy
+    from kvcached.node.clean.facts import gather_facts
+    from kvcached.node.clean.leftovers import plan_engines
+    from kvcached.node.clean.report import Source
 
     layout, policy = Layout(root), Policy(grace=60)
     facts = gather_facts()
@@ -101,12 +101,12 @@ def host_pass(root: str) -> int:
 
 def places_pass(root: str, kubelet: str) -> int:
     """gc -A --engines --dry-run: every place found, planned and run dry; entries judged outside the host."""
-    from kvcached.node.cleanup import plan
-    from kvcached.node.decide import Policy
-    from kvcached.node.facts import gather_facts
-    from kvcached.node.layout import Layout
+    from kvcached.node.base.layout import Layout
+    from kvcached.node.clean.cleanup import plan
+    from kvcached.node.clean.decide import Policy
+    from kvcached.node.clean.facts import gather_facts
+    from kvcached.node.clean.report import Source
     from kvcached.node.places.run import execute_places, plan_places
-    from kvcached.node.report import Source
 
     layout, policy = Layout(root), Policy(grace=60)
     facts = gather_facts()

@@ -141,7 +141,7 @@ def _lockstep(allocs: dict[str, Any], prompts: list[int], steps: int) -> dict[st
 
 
 def bench_alloc(rounds: int, steps: int) -> float:
-    from kvcached.node.segment import create_segment
+    from kvcached.node.state.segment import create_segment
 
     prompts = _script(steps)
     with tempfile.TemporaryDirectory() as tmp:
@@ -190,7 +190,7 @@ def bench_alloc(rounds: int, steps: int) -> float:
 
 
 def bench_trace(seed: int = 3) -> float:
-    from kvcached.node.segment import create_segment
+    from kvcached.node.state.segment import create_segment
     from tests.sglang import elastic_support as es
 
     rnd = random.Random(seed)

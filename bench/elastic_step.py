@@ -120,9 +120,9 @@ def sides() -> Iterator[tuple[Side, Side, Any]]:
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
     from kvcached.integration.patchkit import PatchStatus
-    from kvcached.integration.vllm import elastic_kv
+    from kvcached.integration.vllm import elastic
     from kvcached.integration.vllm.patches import REGISTRY
-    from kvcached.node.segment import create_segment
+    from kvcached.node.state.segment import create_segment
     from kvcached.runtime import kvbuffer
     from tests.vllm import elastic_support as es
 
@@ -139,15 +139,15 @@ def sides() -> Iterator[tuple[Side, Side, Any]]:
             _vllm_own(plain)
             vc = es.vllm_config(tmp, max_num_seqs=64, max_batched=2048)
             cfg = es.kv_cache_config(vc, NUM_BLOCKS, groups=groups)
-            elastic_kv.prepare_engine([cfg], "local", segment_path=seg)
+            elastic.prepare_engine([cfg], "local", segment_path=seg)
             es.allocate(cfg, vc)  # the worker's allocation: the elastic KV buffer of this process
             sched = es.scheduler(vc, cfg)
-            pool = elastic_kv.elastic_pool(sched)
+            pool = elastic.elastic_pool(sched)
             assert pool is not None and pool.segment_path == seg
             yield Side("vLLM", plain), Side("elastic", sched), pool
     finally:
         REGISTRY.revert()
-        elastic_kv.forget_engine()
+        elastic.forget_engine()
         kvbuffer.set_local_buffer(None)
 
 

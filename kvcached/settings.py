@@ -27,7 +27,7 @@ import _thread
 import math
 import os
 
-# Cheap to import by design (kvctl's shell completion reads names through kvcached.node.naming, which reads a
+# Cheap to import by design (kvctl's shell completion reads names through kvcached.node.base.name_rules, which reads a
 # setting): no typing, dataclasses or logging at import. mypy reads the branch below (any name TYPE_CHECKING).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -195,7 +195,7 @@ def text(raw: str) -> str:
 
 def amount(raw: str) -> Amount:
     """A size (`40G`, `512M`, bytes) or a share (`80%`), as `kvctl limit` reads them."""
-    from .node.units import parse_percent, parse_size  # stdlib only; loaded only when a limit is read
+    from .node.base.units import parse_percent, parse_size  # stdlib only; loaded only when a limit is read
 
     value = raw.strip()
     if value.endswith("%"):

@@ -12,7 +12,7 @@ installed on nodes keep working.
 The answers come from kvctl/completion_table.py (commands, options, their
 help, choices, doctor's checks), which scripts/gen_completions.py writes
 from the real commands together with completions/, and from the IPC names on
-the node (`kvcached.node.names`: two directory listings, no /proc pass). The
+the node (`kvcached.node.clean.present`: two directory listings, no /proc pass). The
 words are resolved the way click resolves them: options before the command
 belong to kvctl, an option that takes a value completes that value, else the
 next argument, else options (after `-`) or commands.
@@ -148,7 +148,7 @@ def _values(kind: Any, incomplete: str, walk: _Walk, environ: Any) -> list[Item]
     if kind == "names":
         root = (walk.roots or [environ.get("KVCTL_ROOT") or "/"])[-1]
         try:
-            from kvcached.node.names import deployment_names
+            from kvcached.node import deployment_names
 
             found = deployment_names(root)
         except Exception:  # completion must never print a traceback into the shell

@@ -15,11 +15,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvcached.node.diagnostics import CheckResult
-    from kvcached.node.gcrun import GcResult
-    from kvcached.node.report import Entry, Report
-    from kvcached.node.segment import SegmentInfo
-    from kvcached.node.view import DeploymentView, NodeView
+    from kvcached.node import CheckResult, DeploymentView, Entry, GcResult, NodeView, Report, SegmentInfo
 
 
 def list_row(d: DeploymentView) -> dict[str, Any]:
@@ -171,7 +167,7 @@ def _holds_rows(obj: Any) -> bool:
 
 def entry_rows(report: Report) -> EntryRows:
     """A report's entries as its documents list them: kvcached's (the fast rows), then every other source's."""
-    from kvcached.node.report import Source
+    from kvcached.node import Source
 
     ours = report.part(Source.KVCACHED)
     rows = EntryRows(ours.entries if ours is not None else ())
@@ -192,7 +188,7 @@ def _report(schema: str, root: str, report: Report, dry_run: bool, code: IntEnum
 
 def gc_document(root: str, result: GcResult, code: IntEnum) -> dict[str, Any]:
     """`gc --json` (gc.json, schema kvctl.gc/1); with --engines, the engine leftovers' entries follow kvcached's."""
-    # blind: null when the run saw every process; else each reason it did not (kvcached.node.sight)
+    # blind: null when the run saw every process; else each reason it did not (kvcached.node.clean.sight)
     doc = _report("kvctl.gc/1", root, result.report, result.dry_run, code,
                   orphans=[{"deployment": d.name, **o.to_dict()} for d, o in result.orphans],
                   killed=[k.to_dict() for k in result.killed],
@@ -218,9 +214,8 @@ def _add_places(doc: dict[str, Any], result: GcResult) -> None:
 
     The summary counts every place's entries (and `summary.engines` every place's engine leftovers).
     """
-    from kvcached.node.places.discover import HOST
-    from kvcached.node.places.run import PlaceResult
-    from kvcached.node.report import Source
+    from kvcached.node import HOST_PLACE as HOST
+    from kvcached.node import PlaceResult, Source
 
     host = {**HOST.to_dict(), "path": doc["root"]}
     rows = [{**row, "place": host} for row in doc["entries"]]
@@ -258,7 +253,7 @@ def inspect_document(view: NodeView, pid: int | None, engines: Sequence[Entry[An
     """`inspect --json` (inspect.json): the node's view, the `--pid` it was seen through, the engines' leftovers,
     the GPU holders (kvcached.node.gpu.GpuReport).
 
-    With `places` (inspect -A: kvcached.node.places.run's PlaceView, host first), every deployment and
+    With `places` (inspect -A: the face's PlaceView, host first), every deployment and
     engine entry carries its place, and the document lists the places.
     """
     doc = {**_inspect(view), "pid": pid, "engine_state": [e.to_dict() for e in engines],
@@ -283,7 +278,7 @@ def inspect_document(view: NodeView, pid: int | None, engines: Sequence[Entry[An
 def doctor_document(root: str, results: Sequence[CheckResult], *, healthy: bool, strict: bool,
                     code: IntEnum) -> dict[str, Any]:
     """`doctor --json` (doctor.json): every check's result and the count of each status."""
-    from kvcached.node.diagnostics import Status
+    from kvcached.node import Status
 
     counts = {str(s): sum(r.status is s for r in results) for s in Status}
     return {"schema": "kvctl.doctor/1", "root": root, "healthy": healthy, "strict": strict,

@@ -7,7 +7,7 @@ import errno
 import sys
 from enum import IntEnum
 
-from kvcached.node.enums import Category, Outcome
+from kvcached.node import Category, Outcome
 
 
 class Exit(IntEnum):
@@ -59,7 +59,7 @@ def describe(exc: BaseException) -> tuple[Exit, str | None]:
     """(exit code, one-line message or None for silence) for any exception that reached the top."""
     import typer
 
-    from kvcached.node.errors import KvcachedError
+    from kvcached.node import KvcachedError
 
     from .typer_adapter import ClickException, UsageError
 

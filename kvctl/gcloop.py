@@ -14,9 +14,9 @@
   process, and the metrics file is the last complete one (it is replaced by
   rename, never written in place).
 - With --heartbeat FILE, FILE is rewritten after every run, failed or not
-  (kvcached.node.heartbeat): `kvctl gc --check-heartbeat FILE --max-age AGE`
+  (kvcached.node.ops.heartbeat): `kvctl gc --check-heartbeat FILE --max-age AGE`
   fails when the loop has stopped making runs. With --metrics-port, an HTTP
-  thread serves the last run's metrics (kvcached.node.metrics_http).
+  thread serves the last run's metrics (kvcached.node.ops.metrics_http).
 """
 
 from __future__ import annotations

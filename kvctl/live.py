@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvcached.node.enums import Kind
+from kvcached.node import Kind
 
 from .render import Out, size_cells, state_cell
 
@@ -114,7 +114,7 @@ def draw_list(names: Sequence[str], plan_view: Callable[[Sequence[str]], Any]) -
 
 def draw_top(names: Sequence[str], plan_view: Callable[[Sequence[str]], Any], root: str) -> Draw:
     """The `top` frame: every deployment's usage, sockets, processes and orphans."""
-    from kvcached.node.units import format_size
+    from kvcached.node import format_size
 
     def draw(out: Out) -> None:
         view = plan_view(names)

@@ -24,9 +24,7 @@ from . import helpfmt, typer_adapter
 from .exitcodes import CliError, Exit
 
 if TYPE_CHECKING:
-    from kvcached.node.cleanup import Plan
-    from kvcached.node.layout import Layout
-    from kvcached.node.view import NodeView
+    from kvcached.node import Layout, NodeView, Plan
 
 HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 # A negative size must reach the size parser ("must not be negative"), not read as an option.
@@ -63,7 +61,7 @@ class Globals:
 
     def hinter(self, min_age: Optional[float] = None) -> Callable[[str], str]:
         """Command lines for hints, with this run's options: pasted as printed, they act on the same node."""
-        from kvcached.node.decide import DEFAULT_GRACE
+        from kvcached.node import DEFAULT_GRACE
 
         age = f" --min-age {min_age:g}" if min_age is not None and min_age != DEFAULT_GRACE else ""
 
@@ -74,21 +72,21 @@ class Globals:
 
     def layout(self) -> "Layout":
         """The node this run looks at."""
-        from kvcached.node.layout import Layout
+        from kvcached.node import Layout
 
         return Layout(self.root)
 
     def plan(self, names: Sequence[str] = (), grace: Optional[float] = None,
              layout: Optional["Layout"] = None) -> "Plan":
         """The plan of `kvcached.node` every command shows (grace None: the default grace age)."""
-        from kvcached.node.gcrun import make_plan
+        from kvcached.node import make_plan
 
         return make_plan(layout or self.layout(), names, grace)
 
     def view(self, names: Sequence[str] = (), grace: Optional[float] = None, *, namespaces: bool = False,
              layout: Optional["Layout"] = None) -> "NodeView":
         """The node grouped into deployments (inspect, list, watch, top)."""
-        from kvcached.node.view import build_view
+        from kvcached.node import build_view
 
         return build_view(self.plan(names, grace, layout=layout), namespaces=namespaces)
 
@@ -158,10 +156,10 @@ def typer_app() -> typer.Typer:
 
 
 def parser(fn: Callable[[str], Any]) -> Callable[[str], Any]:
-    """A typer `parser` from a kvcached.node.units parser: its BadValue becomes a usage error naming the option."""
+    """A typer `parser` from a kvcached.node.base.units parser: its BadValue becomes a usage error naming the option."""
 
     def parse(raw: str) -> Any:
-        from kvcached.node.units import BadValue
+        from kvcached.node import BadValue
 
         if not isinstance(raw, str):
             return raw
@@ -174,30 +172,30 @@ def parser(fn: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _duration(raw: str) -> float:
-    from kvcached.node.units import parse_duration
+    from kvcached.node import parse_duration
 
     return parse_duration(raw)
 
 
 def _size(raw: str) -> int:
-    from kvcached.node.units import parse_size
+    from kvcached.node import parse_size
 
     return parse_size(raw)
 
 
 def _percent(raw: str) -> float:
-    from kvcached.node.units import parse_percent
+    from kvcached.node import parse_percent
 
     return parse_percent(raw)
 
 
 def _interval(raw: str) -> float:
-    from kvcached.node.units import parse_interval
+    from kvcached.node import parse_interval
 
     return parse_interval(raw)
 
 
-# kvcached.node.units is imported by the parse, not here: most runs parse no value.
+# kvcached.node.base.units is imported by the parse, not here: most runs parse no value.
 parse_duration = parser(_duration)
 parse_size = parser(_size)
 parse_percent = parser(_percent)

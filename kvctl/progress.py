@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcached.node.enums import Action
+from kvcached.node import Action
 
 if TYPE_CHECKING:
-    from kvcached.node.cleanup import Entry
+    from kvcached.node import Entry
 
 _GONE = (Action.REMOVED, Action.WOULD_REMOVE)
 

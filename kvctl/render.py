@@ -15,11 +15,10 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from typing import IO, TYPE_CHECKING, Any, Union
 
-from kvcached.node.enums import Action, Kind, State
+from kvcached.node import Action, Kind, State
 
 if TYPE_CHECKING:
-    from kvcached.node.cleanup import Entry, Report
-    from kvcached.node.view import NodeView
+    from kvcached.node import Entry, NodeView, Report
 
 Cell = Union[str, tuple[str, str]]  # text, or (text, style)
 
@@ -219,7 +218,7 @@ def state_cell(state: str) -> Cell:
 
 def size_cells(r: dict[str, Any]) -> list[Cell]:
     """LIMIT, USED, PREALLOC, FREE of a `list` row; a negative value is shown as the impossible value it is."""
-    from kvcached.node.units import format_size
+    from kvcached.node import format_size
 
     def cell(v: int | None) -> Cell:
         return (f"{v}!", "bold red") if v is not None and v < 0 else format_size(v)
@@ -244,7 +243,7 @@ def _entry_label(e: Entry, base: str | None) -> str:
 
 def render_view(out: Out, view: NodeView, *, now: float, hint: Callable[[str], str] = lambda c: f"kvctl {c}") -> None:
     """inspect's text; `hint` turns a command into the line to print (with the run's --root, --min-age)."""
-    from kvcached.node.units import format_duration, format_size
+    from kvcached.node import format_duration, format_size
 
     if not view.deployments and not view.unowned:
         out.line(f"No kvcached state under {view.layout.root}.")

@@ -15,7 +15,7 @@ def gpu_memory(n: int | None) -> str:
     """A holder's GPU memory for a person: GiB/MiB, or `?` when nobody could say."""
     if n is None:
         return "?"
-    from kvcached.node.units import format_size
+    from kvcached.node import format_size
 
     return format_size(n)
 

@@ -9,7 +9,7 @@ from .render import Out, render_view
 
 
 def _heading(out: Out, place: Any, stale_bytes: int, stale: int) -> None:
-    from kvcached.node.units import format_size
+    from kvcached.node import format_size
 
     dead = f": {stale} stale" if stale else ""
     if stale_bytes:
@@ -46,12 +46,11 @@ def render_places_view(out: Out, places: Sequence[Any], *, now: float, hint: Cal
 
 def render_places_report(out: Out, result: Any, *, verbose: bool, terminal: bool) -> None:
     """gc -A: the host's report, then each other place's (kvcached's entries, then the engines')."""
-    from kvcached.node.places.discover import HOST
-    from kvcached.node.places.run import PlaceResult
+    from kvcached.node import HOST_PLACE, PlaceResult
 
     from .render_sources import render_run
 
-    for i, r in enumerate([PlaceResult(HOST, result.report), *(result.places or ())]):
+    for i, r in enumerate([PlaceResult(HOST_PLACE, result.report), *(result.places or ())]):
         if i:
             out.blank()
         d = r.to_dict()
@@ -77,8 +76,7 @@ def render_places_preview(out: Out, places: Sequence[Any], *, verbose: bool) -> 
 
 def places_summary_line(result: Any) -> str:
     """`places: 6 besides the host's, removed 7 (260K) in 4`: gc -A's other places in one line (--every)."""
-    from kvcached.node.enums import Action
-    from kvcached.node.units import format_size
+    from kvcached.node import Action, format_size
 
     gone = Action.WOULD_REMOVE if result.dry_run else Action.REMOVED
     places = result.places or ()

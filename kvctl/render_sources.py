@@ -1,6 +1,6 @@
 """One report's text, section by section: each source its table, summary line and log lines.
 
-A report (kvcached.node.report) holds every source a run judged, each in one
+A report (kvcached.node.clean.report) holds every source a run judged, each in one
 part; gc's output, --every's line and cron's log walk those parts, and each
 source's section is rendered by its own helpers: kvcached's by render.py
 (render_report, summary_line, log_report), the engines' leftovers here, with
@@ -15,20 +15,19 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvcached.node.enums import Action, State
-from kvcached.node.report import Source
+from kvcached.node import Action, Source, State
 
 from .render import STATE_STYLE, Cell, Out, log_line, log_report, pids, render_report, state_cell, summary_line
 
 if TYPE_CHECKING:
-    from kvcached.node.report import Entry, Report
+    from kvcached.node import Entry, Report
 
 _VERBS = {Action.REMOVED: "Removed", Action.WOULD_REMOVE: "Would remove", Action.KEPT: "Kept", Action.FAILED: "FAILED"}
 TITLE = "Engine leftovers (vLLM, SGLang, NCCL, CUDA IPC: not kvcached's; each on its own evidence)"
 
 
 def _size(n: int) -> str:
-    from kvcached.node.units import format_size
+    from kvcached.node import format_size
 
     return format_size(n)
 

@@ -96,7 +96,7 @@ def _spec(cmd: Any, ctx: Any) -> dict[str, Any]:
 
 def render_table() -> str:
     """kvctl/completion_table.py: every command's spec (the group's as `kvctl`), and doctor's check names."""
-    from kvcached.node.diagnostics import CHECK_NAMES, Group
+    from kvcached.node.ops.diagnostics import CHECK_NAMES, Group
     from kvctl.cli import group
 
     root = group()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
 
 # The engine-leftover fixtures (children, engine_node) and the GPU holders' (gpu_nodes, standins), shared by
 # tests/fs and tests/cli: registered as a plugin because a fixture imported into a test module reads to ruff
@@ -102,11 +102,15 @@ def _is_worker(config: pytest.Config) -> bool:
 
 
 SGLANG_TESTS = "tests/sglang/"
+# Files whose tests plant or judge node-wide process state that no --root confines: GPU holders are found by
+# device number among every process of the node, and doctor's node group runs gpu-orphans. Run on one
+# worker, one after another, a planted orphan GPU holder never meets another file's whole-node doctor.
+NODE_WIDE = ("tests/cli/test_gpu_cli.py", "tests/fs/test_gpu_holders.py", "tests/cli/test_commands.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: absent without it, and then never called
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    """`--dist loadfile` (make test's), with every SGLang test one unit: they share the worker that runs them.
+    """`--dist loadfile` (make test's), with every SGLang test one unit, and the NODE_WIDE files another.
 
     A file is a unit, so a module's tests share its module fixtures (its
     serves, started once). tests/sglang as a whole is one: its tests share
@@ -119,7 +123,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
 
     class SGLangTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return SGLANG_TESTS if nodeid.startswith(SGLANG_TESTS) else super()._split_scope(nodeid)
+            if nodeid.startswith(SGLANG_TESTS):
+                return SGLANG_TESTS
+            if nodeid.startswith(NODE_WIDE):
+                return "node-wide"
+            return super()._split_scope(nodeid)
 
     return SGLangTogether(config, log)  # type: ignore[arg-type]
 

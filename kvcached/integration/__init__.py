@@ -9,8 +9,8 @@ their engine when they are applied or probed.
   into the engine). A plugin the engine loads with kvcached off imports this
   package alone: no wrapt, no patch kit.
 - `patchkit`: the kit every engine's patches are made with (Patch, Registry, wrap).
-- `state`: what one process shares between them (its engines, its worker listener).
-- `engine_state`, `engine_owner`, `limits`: engine-agnostic halves (what an
+- `running`: what one process shares between them (its engines, its worker listener).
+- `engine_claim`, `engine_owner`, `limits`: engine-agnostic halves (what an
   engine holds; the owner's cleanup duty; the limit an engine claims with).
 - `vllm/`: vLLM's plugin, its patches (one module each), the elastic block
   pool, and what `detect` reports about vLLM.
@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .. import settings
-from ..node.layout import Layout
+from ..node import Layout
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:

@@ -4,7 +4,7 @@ One section per engine installed (`vllm`, `sglang`), each built by that
 engine's integration; with no engine installed the
 document has no sections and is still valid. `kvctl doctor` runs this in the
 serve's interpreter and reads the document strictly
-(`kvcached.node.detectdoc.parse`, `kvcached/schemas/detect.json`). Exit status
+(`kvcached.node.ops.detectdoc.parse`, `kvcached/schemas/detect.json`). Exit status
 0 whenever a document was printed, whatever it says; 2 for a bad command line.
 """
 
@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 
-from ..node.detectdoc import DetectDocument, EngineSection
+from ..node import DetectDocument, EngineSection
 
 USAGE = "usage: python -m kvcached.integration.detect [--json]"
 

@@ -5,7 +5,7 @@ supervisor with `--api-server-count > 1` and in headless mode) is the only
 one that reliably outlives them. `EngineOwner` captures the deployment's
 segment and worker sockets once the engines are READY and, once every engine
 process has a confirmed exit code, removes what it captured and nobody serves
-(kvcached.node.owner does the deciding and the removing). What a still-living
+(kvcached.node.in_engine.captured does the deciding and the removing). What a still-living
 worker serves is kept and retried in the background until the worker exits.
 
 The same duty serves one level down: an executor owns its worker processes
@@ -13,7 +13,7 @@ The same duty serves one level down: an executor owns its worker processes
 engine's to give back), which matters where no engine owner is above it
 (headless worker nodes) or where the engine outlives a worker it killed.
 
-The engines' own buffers go the same way (kvcached.node.owner_buffers): the
+The engines' own buffers go the same way (kvcached.node.in_engine.captured_buffers): the
 `psm_*` and `nccl-*` files (any engine family's) that the engine processes
 and their workers map at READY are captured by identity and, after the
 confirmed exit, removed unless a live process still maps or holds them. Only
@@ -40,9 +40,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from .. import settings
-from ..node.layout import Layout
-from ..node.owner import OwnerResult, SegmentCleanup, WorkerSocketCleanup
-from ..node.owner_buffers import BufferCleanup
+from ..node import BufferCleanup, Layout, OwnerResult, SegmentCleanup, WorkerSocketCleanup
 
 log = logging.getLogger("kvcached.integration.engine_owner")
 

@@ -16,8 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .. import settings
-from ..node.segment import MappedReader
-from ..node.units import BadValue, format_size
+from ..node import BadValue, MappedReader, format_size
 
 ENV_LIMIT = settings.LIMIT.name
 

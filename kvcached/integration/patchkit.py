@@ -31,7 +31,7 @@ from typing import Any
 
 import wrapt
 
-from ..node.detectdoc import PatchReport, PatchStatus
+from ..node import PatchReport, PatchStatus
 
 # (wrapped, instance, args, kwargs) -> result: wrapt's wrapper signature. `wrapped` is already bound to
 # `instance` for a method, so `args` never holds self.

@@ -36,8 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, TypeVar
 
-from kvcached.node.errors import KvcachedError, SegmentMissing
-from kvcached.node.segment import LimitWatch, MappedReader, write_segment
+from kvcached.node import KvcachedError, LimitWatch, MappedReader, SegmentMissing, write_segment
 
 log = logging.getLogger("kvcached.runtime.elastic")
 

@@ -27,7 +27,7 @@ from typing import IO, Any
 
 import psutil  # imported up front: a lazy import inside a signal handler can be interrupted
 
-from ..node.layout import Layout
+from ..node import Layout
 
 READY = "KVCACHED-READY "
 DEFAULT_LIMIT = 1 << 30
@@ -222,8 +222,7 @@ def _run_worker(args: argparse.Namespace, layout: Layout) -> int:
 def _run_engine(args: argparse.Namespace, layout: Layout) -> int:
     import logging
 
-    from ..node.startup import claim_segment
-    from ..node.sweep import start_sweep
+    from ..node import claim_segment, start_sweep
 
     # The engine's log is its stderr, as a vLLM engine's is: the start-up sweep says there what it removed.
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
@@ -286,7 +285,7 @@ def _run_engine(args: argparse.Namespace, layout: Layout) -> int:
 
 
 def _run_api(args: argparse.Namespace, layout: Layout) -> int:
-    from ..node.owner import SegmentCleanup, WorkerSocketCleanup
+    from ..node import SegmentCleanup, WorkerSocketCleanup
 
     engine = subprocess.Popen(
         _base_cmd("engine", args.name, layout, args.tp, args.pp)

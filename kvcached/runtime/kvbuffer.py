@@ -31,8 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvcached.node.errors import IpcError
-from kvcached.node.layout import Layout
+from kvcached.node import IpcError, Layout
 from kvcached.runtime.ipc.client import Client
 from kvcached.runtime.ipc.listener import WorkerListener
 from kvcached.runtime.ipc.protocol import CMD_CONFIGURE, CMD_CREATED, CMD_INFO, CMD_MAP, CMD_MAPPED, CMD_UNMAP

@@ -33,9 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvcached.node.errors import IpcError, KvcachedError
-from kvcached.node.layout import Layout
-from kvcached.node.segment import read_segment
+from kvcached.node import IpcError, KvcachedError, Layout, read_segment
 from kvcached.runtime.ipc.client import Client
 from kvcached.runtime.ipc.listener import WorkerListener
 from kvcached.runtime.ipc.protocol import CMD_CREATE, CMD_CREATED, CMD_MAP, CMD_MAPPED, CMD_UNMAP

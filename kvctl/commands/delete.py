@@ -4,7 +4,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvcached.node.enums import State
+from kvcached.node import State
 
 from ..documents import delete_document
 from ..exitcodes import exit_of
@@ -33,7 +33,7 @@ def delete(
     json_out: JsonGc = False,
 ) -> int:
     """Remove one deployment's segment and stale sockets, deciding as gc does (never a live one)."""
-    from kvcached.node.gcrun import outcome_of, run_delete
+    from kvcached.node import outcome_of, run_delete
 
     run = globals_of(ctx)
     report = run_delete(run.layout(), name, grace=min_age, vouch=yes, confirm=_ask)

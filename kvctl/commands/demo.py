@@ -55,7 +55,7 @@ def demo(
     json_out: JsonDemo = False,
 ) -> int:
     """Start a real local TP x PP deployment, stop it like vLLM 0.33, inspect the leftovers, gc them, show it clean."""
-    from kvcached.node.demo import demo_name, run_demo
+    from kvcached.node import demo_name, run_demo
 
     run = globals_of(ctx)
     name = demo_name()

@@ -19,7 +19,7 @@ def _render(out: Out, results: list[Any], *, ok: bool, strict: bool) -> None:
     below the line it names; a run of such lines sharing a fix shows it once,
     after the last of them.
     """
-    from kvcached.node.diagnostics import Status
+    from kvcached.node import Status
 
     bad = (Status.WARN, Status.FAIL)
     group = None

@@ -5,8 +5,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from kvcached.node.enums import Action, EngineKind, Kind, StrEnum
-from kvcached.node.report import Source
+from kvcached.node import Action, EngineKind, Kind, Source, StrEnum
 
 from ..documents import error_document, gc_document
 from ..exitcodes import CATEGORY_EXIT, CliError, Exit, exit_of
@@ -28,7 +27,7 @@ app = typer_app()
 
 
 class KindChoice(StrEnum):
-    """Every value `--kind` takes: kvcached's kinds, then the engine leftovers' (kvcached.node.enums)."""
+    """Every value `--kind` takes: kvcached's kinds, then the engine leftovers' (kvcached.node.base.enums)."""
 
     SEGMENT = "segment"
     SOCKET = "socket"
@@ -58,12 +57,12 @@ def _asker(out: Out, run: Globals) -> Any:
         deps = len({e.candidate.deployment for e in gone})
         what = f"{len(gone)} stale entr{'y' if len(gone) == 1 else 'ies'} of {deps} deployment(s)"
         if Source.ENGINES in preview.sources:
-            from kvcached.node.units import format_size
+            from kvcached.node import format_size
 
             n = preview.count(action=Action.WOULD_REMOVE, source=Source.ENGINES)
             what += f" and {n} engine leftover(s) ({format_size(preview.bytes(action=Action.WOULD_REMOVE))})"
         if places is not None:
-            from kvcached.node.places.run import would_remove
+            from kvcached.node import would_remove
 
             from ..render_places import render_places_preview
 
@@ -80,7 +79,7 @@ def _confirm_kill(targets: list[Any]) -> bool:
 
 
 def _run(opts: Any, out: Out, run: Globals, json_out: bool) -> Any:
-    from kvcached.node.gcrun import run_gc
+    from kvcached.node import run_gc
 
     confirm = _asker(out, run)
     if out.terminal and not json_out and not opts.dry_run and (opts.yes or not interactive()):
@@ -118,7 +117,7 @@ def _engine_hint(run: Globals, result: Any, min_age: float) -> None:
     import os
     import sys
 
-    from kvcached.node.names import engine_leftover_count, rpc_dirs
+    from kvcached.node import engine_leftover_count, rpc_dirs
 
     if not sys.stderr.isatty():
         return  # cron's log would get the same line every run, live engines' buffers counted too
@@ -130,7 +129,7 @@ def _engine_hint(run: Globals, result: Any, min_age: float) -> None:
 
 
 def _blind_line(result: Any) -> str | None:
-    """What a blind run says (kvcached.node.sight): each cause, and that it kept what it could not judge."""
+    """What a blind run says (kvcached.node.clean.sight): each cause, and that it kept what it could not judge."""
     sight = result.sight
     if sight is None or not sight.blind:
         return None
@@ -167,8 +166,7 @@ def _run_line(result: Any, code: int) -> tuple[str, str]:
 
 def _one_run(opts: Any, run: Globals, json_out: bool) -> int:
     """One run of gc --every: its line (or JSON line), its exit code; a failed run is said and the loop goes on."""
-    from kvcached.node.errors import KvcachedError
-    from kvcached.node.gcrun import run_gc
+    from kvcached.node import KvcachedError, run_gc
 
     try:
         result = run_gc(opts)
@@ -209,7 +207,7 @@ def _after_each_run(heartbeat: str | None) -> Any:
     """--every's heartbeat after each run: written, or the failure said and the loop goes on (the probe decides)."""
     if heartbeat is None:
         return None
-    from kvcached.node.heartbeat import HeartbeatError, Recorder
+    from kvcached.node import HeartbeatError, Recorder
 
     recorder = Recorder(heartbeat)
 
@@ -228,7 +226,7 @@ def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts
     from dataclasses import replace
 
     from kvcached import settings
-    from kvcached.node.gcrun import check_options
+    from kvcached.node import check_options
 
     from ..gcloop import Stop, run_every
 
@@ -241,12 +239,12 @@ def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts
                        "(only report)", Exit.USAGE)
     check_options(opts)
     if loop.heartbeat is not None:
-        from kvcached.node.heartbeat import check_target
+        from kvcached.node import check_target
 
         check_target(loop.heartbeat)  # before any run: a probe must not be the first to find out
     with ExitStack() as stack:
         if loop.metrics_port is not None:
-            from kvcached.node.metrics_http import MetricsServer
+            from kvcached.node import MetricsServer
 
             server = stack.enter_context(MetricsServer(loop.metrics_address, loop.metrics_port))
             host, port = server.address
@@ -258,7 +256,7 @@ def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts
 
 def _check_heartbeat(ctx: typer.Context, path: str, max_age: float | None) -> int:
     """gc --check-heartbeat: a liveness probe's question, answered from the file alone (no gc, no lock, no /proc)."""
-    from kvcached.node.heartbeat import check
+    from kvcached.node import check
 
     # By the source's name: typer may bring its own copy of click, whose ParameterSource is another class.
     given = [p for p in ctx.command.params if p.name not in ("check_heartbeat", "max_age")
@@ -403,7 +401,7 @@ def gc(
     json_out: JsonGc = False,
 ) -> int:
     """Remove stale kvcached state: only what every signal proves dead and older than --min-age."""
-    from kvcached.node.gcrun import GcOptions
+    from kvcached.node import GcOptions
 
     if check_heartbeat is not None:
         return _check_heartbeat(ctx, check_heartbeat, max_age)

@@ -27,7 +27,7 @@ def inspect(
     json_out: JsonInspect = False,
 ) -> int:
     """Every deployment: its segment, sockets, processes, orphans, and why each entry is live or stale."""
-    from kvcached.node.view import layout_for_pid
+    from kvcached.node import layout_for_pid
 
     run = globals_of(ctx)
     layout = run.layout()
@@ -42,7 +42,7 @@ def inspect(
     view = run.view(names or (), min_age, namespaces=True, layout=layout)
     if names and not view.deployments:
         raise CliError(f"no deployment matches {' '.join(names)}", Exit.NOT_FOUND)
-    from kvcached.node.gpu import find_holders, prepare
+    from kvcached.node import find_holders, prepare
 
     prepare(view.facts)  # the engine pass's read of the maps also finds GPU mappings
     engines = [] if names else _engine_state(view, min_age)  # they belong to no deployment a NAME selects
@@ -67,16 +67,14 @@ def inspect(
 
 def _all_places(run: Any, names: list[str], min_age: float, kubelet_dir: Optional[str], json_out: bool) -> int:
     """inspect -A: the host, then every other place, each with its deployments and engine leftovers."""
-    from kvcached.node.gpu import find_holders, prepare
-    from kvcached.node.places.run import plan_places, view_places
-    from kvcached.node.view import build_view
+    from kvcached.node import build_view, find_holders, plan_places, prepare, view_places
 
     p = run.plan(names, min_age)
     view = build_view(p, namespaces=False)
     prepare(p.facts)  # the places' one read of the maps also finds GPU mappings
     pp = plan_places(p.layout, p.policy, p.facts, engines=not names, kubelet_dir=kubelet_dir, host_plan=p,
                      now=p.now, names=names)
-    places = view_places(pp, view)
+    places = view_places(pp, view, lambda plan: build_view(plan, namespaces=False))
     if names and not any(pv.view is not None and pv.view.deployments for pv in places):
         raise CliError(f"no deployment matches {' '.join(names)} in any place", Exit.NOT_FOUND)
     gpu = find_holders(p.facts)
@@ -97,10 +95,7 @@ def _all_places(run: Any, names: list[str], min_age: float, kubelet_dir: Optiona
 
 def _engine_state(view: Any, min_age: float) -> list[Any]:
     """The engines' leftovers on the same node, judged from the view's own /proc pass, as gc --engines would act."""
-    from kvcached.node.decide import Policy
-    from kvcached.node.engines import plan_engines
-    from kvcached.node.names import rpc_dirs
-    from kvcached.node.report import preview
+    from kvcached.node import Policy, plan_engines, preview, rpc_dirs
 
     layout = view.layout
     return preview(plan_engines(layout, Policy(grace=min_age), facts=view.facts, rpc_dirs=rpc_dirs(layout.root)))

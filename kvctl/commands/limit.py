@@ -14,8 +14,7 @@ app = typer_app()
 
 def set_limit(run: Globals, name: str, total: int, json_out: bool, how: str) -> int:
     """Write `total` as the limit of segment `name` and report it (limit and limit-percent)."""
-    from kvcached.node.segment import read_segment, write_segment
-    from kvcached.node.units import format_size
+    from kvcached.node import format_size, read_segment, write_segment
 
     path = run.layout().segment_path(name)
     before = read_segment(path)

@@ -15,7 +15,7 @@ app = typer_app()
 @app.command("list", cls=KvctlCommand)
 def list_(ctx: typer.Context, names: NamesArg = None, json_out: JsonList = False) -> int:
     """List limit segments: limit, used, prealloc, free, age, processes, and whether they are live or stale."""
-    from kvcached.node.units import format_duration
+    from kvcached.node import format_duration
 
     run = globals_of(ctx)
     rows = list_document(run.view(names or ()))

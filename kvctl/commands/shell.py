@@ -9,7 +9,7 @@ app = typer_app()
 
 def run_shell(ctx: typer.Context) -> int:
     """The prompt: each line runs as `kvctl <line>` through the same group, with this run's global options."""
-    from kvcached.node.names import deployment_names
+    from kvcached.node import deployment_names
 
     from ..prompt import run
 

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from kvcached.node.layout import Layout
-from kvcached.node.segment import create_segment, read_segment, write_segment
+from kvcached.node.base.layout import Layout
+from kvcached.node.state.segment import create_segment, read_segment, write_segment
 from kvcached.runtime.harness import start_deployment
 from kvcached.runtime.ipc.client import ping
 
@@ -329,8 +329,8 @@ def test_doctor_says_an_engines_fix_once_and_lists_its_patches_under_it() -> Non
     one fix line for the engine, its six patches indented below it, a run of conditions' shared fix shown once."""
     import io
 
-    from kvcached.node.detectdoc import Condition, EngineSection, PatchReport, PatchStatus, Plugin
-    from kvcached.node.diagnostics import engine_results, healthy
+    from kvcached.node.ops.detectdoc import Condition, EngineSection, PatchReport, PatchStatus, Plugin
+    from kvcached.node.ops.diagnostics import engine_results, healthy
     from kvctl.commands.doctor import _render
     from kvctl.render import Out
 

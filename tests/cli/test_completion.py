@@ -16,11 +16,11 @@ import sys
 
 import pytest
 
-from kvcached.node.layout import Layout
-from kvcached.node.names import SEGMENT_SIZE, deployment_names
-from kvcached.node.scan import scan
-from kvcached.node.segment import SEGMENT_SIZE as REAL_SEGMENT_SIZE
-from kvcached.node.segment import create_segment
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean.present import SEGMENT_SIZE, deployment_names
+from kvcached.node.clean.scan import scan
+from kvcached.node.state.segment import SEGMENT_SIZE as REAL_SEGMENT_SIZE
+from kvcached.node.state.segment import create_segment
 
 from .conftest import KVCTL, REPO
 
@@ -156,9 +156,9 @@ def test_a_tab_press_imports_neither_typer_nor_the_node_scan(node: Layout, uniq:
                        timeout=60)
     assert r.stdout.split() == [f"{uniq}alpha", f"{uniq}beta"], r.stderr[-2000:]
     mods = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
-    assert "kvcached.node.names" in mods  # the measurement works
+    assert "kvcached.node.clean.present" in mods  # the measurement works
     heavy = {m for m in mods if m.split(".")[0] in ("typer", "click", "rich", "psutil")
-             or m in ("kvcached.node.scan", "kvcached.node.facts", "dataclasses")}
+             or m in ("kvcached.node.clean.scan", "kvcached.node.clean.facts", "dataclasses")}
     assert heavy == set()
 
 

@@ -12,11 +12,11 @@ import re
 
 import pytest
 
-from kvcached.node import diagnostics as dx
-from kvcached.node.cleanup import execute
-from kvcached.node.gcrun import GcOptions, make_plan, run_delete, run_gc
-from kvcached.node.segment import create_segment, read_segment, write_segment
-from kvcached.node.view import build_view
+from kvcached.node.clean.cleanup import execute
+from kvcached.node.ops import diagnostics as dx
+from kvcached.node.ops.gcrun import GcOptions, make_plan, run_delete, run_gc
+from kvcached.node.ops.view import build_view
+from kvcached.node.state.segment import create_segment, read_segment, write_segment
 from kvctl import documents
 from kvctl.exitcodes import Exit
 
@@ -107,7 +107,7 @@ def test_entry_rows_write_what_json_dumps_writes(node, uniq: str) -> None:
     """documents.EntryRows' own encoder against json.dumps over Entry.to_dict, entry for entry."""
     import json
 
-    from kvcached.node.report import Entry
+    from kvcached.node.clean.report import Entry
 
     layout, name = node
     os.mkdir(os.path.join(layout.tmp_dir, f"kvcached-tp-{uniq}é-00000000"))  # a path json must escape

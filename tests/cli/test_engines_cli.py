@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import pytest
 
-from kvcached.node.decide import State
-from kvcached.node.layout import Layout
-from kvcached.node.segment import create_segment
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean.decide import State
+from kvcached.node.state.segment import create_segment
 
 from ..fs.engine_plant import Children, Node, needs_whole_view, plant_matrix
 from ..fs.helpers import backdate, stale_socket

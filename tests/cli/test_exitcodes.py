@@ -9,8 +9,8 @@ import pkgutil
 import pytest
 
 import kvcached.node
-from kvcached.node.enums import Category, Outcome
-from kvcached.node.errors import KvcachedError
+from kvcached.node.base.enums import Category, Outcome
+from kvcached.node.base.errors import KvcachedError
 from kvctl.exitcodes import CATEGORY_EXIT, OUTCOME_EXIT, Exit, describe, exit_of
 
 

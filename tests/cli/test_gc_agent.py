@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.node.gclock import GcLock
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
+from kvcached.node.state.gclock import GcLock
 from kvctl.exitcodes import Exit
 
 from ..fs.helpers import backdate, stale_socket
@@ -248,8 +248,8 @@ def test_without_the_flags_no_http_code_is_loaded(layout, tmp_path) -> None:
     """A gc run without --metrics-port or --heartbeat imports neither http.server, the endpoint nor the heartbeat."""
     code = ("import sys; from kvctl.cli import main; sys.argv = ['kvctl', '--root', sys.argv[1], 'gc', '--dry-run'];\n"
             "try:\n    main()\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in sys.modules if m in ('http.server', 'kvcached.node.metrics_http', "
-            "'kvcached.node.heartbeat')), file=sys.stderr)")
+            "print(sorted(m for m in sys.modules if m in ('http.server', 'kvcached.node.ops.metrics_http', "
+            "'kvcached.node.ops.heartbeat')), file=sys.stderr)")
     r = subprocess.run([os.path.join(os.path.dirname(KVCTL), "python"), "-c", code, layout.root],
                        capture_output=True, text=True, timeout=60,
                        env={**os.environ, "KVCTL_LOCK": str(tmp_path / "gc.lock")})

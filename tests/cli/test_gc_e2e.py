@@ -6,7 +6,7 @@ import os
 import signal
 import subprocess
 
-from kvcached.node.gclock import GcLock
+from kvcached.node.state.gclock import GcLock
 from kvcached.runtime.harness import start_deployment
 from kvcached.runtime.ipc.client import ping
 

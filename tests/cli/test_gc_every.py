@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.node.gclock import GcLock
-from kvcached.node.layout import Layout
-from kvcached.node.segment import create_segment
+from kvcached.node.base.layout import Layout
+from kvcached.node.state.gclock import GcLock
+from kvcached.node.state.segment import create_segment
 from kvctl import gcloop
 from kvctl.exitcodes import Exit
 
@@ -248,7 +248,7 @@ def test_a_signal_during_a_run_lets_it_finish_and_a_second_abandons_it() -> None
 
 def test_memory_does_not_grow_across_runs(layout, tmp_path, uniq, monkeypatch) -> None:
     """Hundreds of real gc runs (the CLI's own per-run function, output to /dev/null): no growth past warm-up."""
-    from kvcached.node.gcrun import GcOptions
+    from kvcached.node.ops.gcrun import GcOptions
     from kvctl.commands.gc import _one_run
     from kvctl.params import Globals
 

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-import kvcached.node.gcrun as gcrun
-from kvcached.node.enums import Outcome
-from kvcached.node.gcrun import GcOptions, NoMatch, run_gc
-from kvcached.node.names import may_hold_state, node_dirs
+import kvcached.node.ops.gcrun as gcrun
+from kvcached.node.base.enums import Outcome
+from kvcached.node.clean.present import may_hold_state, node_dirs
+from kvcached.node.ops.gcrun import GcOptions, NoMatch, run_gc
 
 from .conftest import kvctl
 
@@ -64,8 +64,9 @@ def test_gc_on_an_idle_node_loads_no_scan_or_decision(layout) -> None:
                         "--root", layout.root, "gc", "--dry-run"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "gc: would remove 0, kept 0", r.stderr[-2000:]
     mods = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
-    assert "kvcached.node.gcrun" in mods  # the measurement works
-    assert not mods & {"kvcached.node.scan", "kvcached.node.facts", "kvcached.node.decide", "kvcached.node.cleanup"}
+    assert "kvcached.node.ops.gcrun" in mods  # the measurement works
+    assert not mods & {"kvcached.node.clean.scan", "kvcached.node.clean.facts", "kvcached.node.clean.decide",
+                       "kvcached.node.clean.cleanup"}
     # hashlib loads OpenSSL (5-10 ms of a 100 ms run): only a socket directory's hash check needs it.
     assert "hashlib" not in mods
     assert kvctl("--root", layout.root, "gc", "nothing").code == 6

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.node.units import format_size
+from kvcached.node.base.units import format_size
 from tests.fs.gpu_fixtures import node
 from tests.waiting import wait_for
 

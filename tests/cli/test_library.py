@@ -6,12 +6,12 @@ import os
 
 import pytest
 
-from kvcached.node.cleanup import Report
-from kvcached.node.facts import ProcessInfo
-from kvcached.node.gclock import GcLock, LockBusy, lock_path
-from kvcached.node.layout import Layout
-from kvcached.node.metrics import previous_value, render, write_textfile
-from kvcached.node.view import Role, classify_process
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean.cleanup import Report
+from kvcached.node.clean.facts import ProcessInfo
+from kvcached.node.ops.metrics import previous_value, render, write_textfile
+from kvcached.node.ops.view import Role, classify_process
+from kvcached.node.state.gclock import GcLock, LockBusy, lock_path
 
 
 def proc(cmdline: tuple[str, ...], comm: str = "python3") -> ProcessInfo:
@@ -133,8 +133,8 @@ def test_doctor_names_ray_backed_vllm_processes() -> None:
     from types import SimpleNamespace
 
     from kvcached.integration.vllm.detect import RAY_PROCESSES, ray_hazard
-    from kvcached.node.detectdoc import DetectDocument, EngineSection, Plugin, parse
-    from kvcached.node.diagnostics import Status, engine_results
+    from kvcached.node.ops.detectdoc import DetectDocument, EngineSection, Plugin, parse
+    from kvcached.node.ops.diagnostics import Status, engine_results
 
     procs = [
         SimpleNamespace(pid=10, cmdline=("vllm", "serve", "m", "--distributed-executor-backend", "ray")),

@@ -15,10 +15,10 @@ from .conftest import kvctl
 NS_CHILD = textwrap.dedent("""
     import subprocess, sys
     # Import first: the checkout itself may live under /tmp, which the mount hides.
-    from kvcached.node.layout import Layout
-    from kvcached.node.segment import create_segment
+    from kvcached.node.base.layout import Layout
+    from kvcached.node.state.segment import create_segment
     from kvcached.runtime.ipc.listener import WorkerListener
-    import kvcached.node.facts, kvcached.node.scan, kvcached.runtime.ipc.protocol  # noqa: F401
+    import kvcached.node.clean.facts, kvcached.node.clean.scan, kvcached.runtime.ipc.protocol  # noqa: F401
     # Private /tmp and /dev/shm, visible only inside this mount namespace.
     for d in ("/tmp", "/dev/shm"):
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777", "kvctest", d], check=True)

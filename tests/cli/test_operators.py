@@ -21,7 +21,7 @@ import termios
 
 import pytest
 
-from kvcached.node.segment import create_segment, write_segment
+from kvcached.node.state.segment import create_segment, write_segment
 
 from ..fs.helpers import backdate, stale_socket
 from ..waiting import wait_for_state, wait_until

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from kvcached.node.gclock import GcLock
-from kvcached.node.segment import create_segment, read_segment, write_segment
+from kvcached.node.state.gclock import GcLock
+from kvcached.node.state.segment import create_segment, read_segment, write_segment
 
 from ..fs.helpers import backdate, stale_socket
 from ..waiting import wait_until
@@ -121,15 +121,15 @@ def test_lock_busy_keeps_the_stale_counts(layout, uniq, tmp_path) -> None:
 
 def test_duration_covers_the_whole_run(layout, uniq, tmp_path, monkeypatch) -> None:
     """kvctl_gc_duration_seconds times planning too, not only removal (a slow /proc pass shows)."""
-    import kvcached.node.cleanup
+    import kvcached.node.clean.cleanup
 
-    real_plan = kvcached.node.cleanup.plan
+    real_plan = kvcached.node.clean.cleanup.plan
 
     def slow_plan(*a, **kw):  # the clock is what is measured here, not the OS
         time.sleep(0.3)
         return real_plan(*a, **kw)
 
-    monkeypatch.setattr(kvcached.node.cleanup, "plan", slow_plan)
+    monkeypatch.setattr(kvcached.node.clean.cleanup, "plan", slow_plan)
     create_segment(layout.segment_path(f"{uniq}d"), 1 << 30)  # something to plan: an idle node plans nothing
     prom = str(tmp_path / "kvctl.prom")
     assert invoke("--root", layout.root, "gc", "--dry-run", "--prometheus", prom).code == 0

@@ -17,8 +17,8 @@ from collections.abc import Callable
 import jsonschema
 import pytest
 
-from kvcached.node.layout import Layout
-from kvcached.node.names import engine_leftover_count
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean.present import engine_leftover_count
 
 from ..fs.engine_plant import LISTENER, SCHEMA, Children, Node, backdate
 from .conftest import Run, invoke, kvctl

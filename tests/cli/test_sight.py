@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from kvcached.node.layout import Layout
-from kvcached.node.segment import create_segment
-from kvcached.node.sight import pid_view_gap
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean.sight import pid_view_gap
+from kvcached.node.state.segment import create_segment
 
 from ..conftest import KVCTL
 from ..fs.helpers import backdate
@@ -150,7 +150,7 @@ def test_root_without_ptrace_records_another_users_fds_as_unread(unpriv_user, ne
     """Root may list another user's /proc/<pid>/fd (DAC override) yet not read one link in it: unread, not empty."""
     other = subprocess.Popen([*_as_user(unpriv_user), "sleep", "60"])
     try:
-        code = ("import json, sys; from kvcached.node.facts import gather_facts; f = gather_facts(); "
+        code = ("import json, sys; from kvcached.node.clean.facts import gather_facts; f = gather_facts(); "
                 "print(json.dumps(sorted(f.unreadable_pids.get(int(sys.argv[1]), ()))))")
         r = _run(["setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace", sys.executable, "-c", code,
                   str(other.pid)])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached.node.units import BadValue, format_duration, format_size, parse_duration, parse_percent, parse_size
+from kvcached.node.base.units import BadValue, format_duration, format_size, parse_duration, parse_percent, parse_size
 from kvctl.exitcodes import Exit
 from kvctl.render import Out, safe
 
@@ -79,7 +79,7 @@ def test_a_plain_table_pads_each_column_but_the_last_and_neutralises_names() -> 
     """Off a terminal, rows all as long are written a column at a time; ragged rows cell by cell: the same text."""
     import io
 
-    from kvcached.node.enums import Kind
+    from kvcached.node.base.enums import Kind
 
     rows: list[list[object]] = [[("x", "red"), "y\x1b", "tail  "], ["wide-cell", Kind.SEGMENT, ""]]
     written = []

@@ -139,7 +139,7 @@ def test_a_later_handler_turns_the_guard_off_and_limit_watch_falls_back_to_pread
     proc = _child("""
         import errno, os, signal, sys
         from kvcached.runtime._kvpages import MappedWord
-        from kvcached.node.segment import LimitWatch, write_segment
+        from kvcached.node.state.segment import LimitWatch, write_segment
         watch = LimitWatch(sys.argv[1], recheck=0.0, mapper=MappedWord)
         assert watch.read() == 4096 and watch.mapped
         signal.signal(signal.SIGBUS, lambda *a: None)

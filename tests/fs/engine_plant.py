@@ -23,12 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.node import cleanup, gcrun
-from kvcached.node.decide import Policy, State
-from kvcached.node.engines import EngineReason, plan_engines
-from kvcached.node.engines.act import EnginePlan
-from kvcached.node.engines.evidence import pid_view_gap
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean import cleanup
+from kvcached.node.clean.decide import Policy, State
+from kvcached.node.clean.leftovers import EngineReason, plan_engines
+from kvcached.node.clean.leftovers.act import EnginePlan
+from kvcached.node.clean.leftovers.evidence import pid_view_gap
+from kvcached.node.ops import gcrun
 
 # Whether this machine's /proc shows every process (the initial PID namespace's procfs). In a container's
 # own, nothing that maps or holds files can be proven absent, and every buffer stays unknown by design

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.node.facts import process_start_time
+from kvcached.node.clean.facts import process_start_time
 from tests.waiting import wait_for
 
 STANDIN = str(Path(__file__).with_name("gpu_standin.py"))

@@ -12,8 +12,8 @@ import threading
 import time
 from typing import Any
 
-from kvcached.node.layout import Layout
-from kvcached.node.segment import create_segment
+from kvcached.node.base.layout import Layout
+from kvcached.node.state.segment import create_segment
 
 
 def stale_socket(path: str) -> tuple[int, int]:
@@ -254,9 +254,9 @@ def in_thread(fn) -> threading.Thread:
 
 CLEANUP_AS_USER = textwrap.dedent("""
     import json, sys
-    from kvcached.node.cleanup import run_cleanup
-    from kvcached.node.decide import Policy
-    from kvcached.node.layout import Layout
+    from kvcached.node.clean.cleanup import run_cleanup
+    from kvcached.node.clean.decide import Policy
+    from kvcached.node.base.layout import Layout
     r = run_cleanup(Layout(sys.argv[1]), Policy(grace=0))
     print(json.dumps([e.to_dict() for e in r.entries]))
 """)

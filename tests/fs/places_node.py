@@ -69,8 +69,8 @@ CONTAINER = textwrap.dedent("""
 
 KVCACHED_CONTAINER = textwrap.dedent("""
     import json, os, subprocess, sys, time
-    from kvcached.node.layout import Layout
-    from kvcached.node.segment import create_segment
+    from kvcached.node.base.layout import Layout
+    from kvcached.node.state.segment import create_segment
     from kvcached.runtime.ipc.listener import WorkerListener
     import kvcached.runtime.ipc.protocol  # noqa: F401 (imported before /tmp is covered)
     live, dead = sys.argv[1], sys.argv[2]
@@ -238,9 +238,9 @@ UPSTREAM_SEGMENT = textwrap.dedent("""
 
 def pgid(base: str) -> dict:
     """Scenario "pgid" (the module docstring): the decisions only."""
-    from kvcached.node.decide import Policy
-    from kvcached.node.facts import gather_facts
-    from kvcached.node.layout import Layout
+    from kvcached.node.base.layout import Layout
+    from kvcached.node.clean.decide import Policy
+    from kvcached.node.clean.facts import gather_facts
     from kvcached.node.places.run import plan_places
 
     os.makedirs(f"{base}/root/tmp")
@@ -267,9 +267,9 @@ def pgid(base: str) -> dict:
 
 def replace(base: str) -> dict:
     """Scenario "replace": judged on one filesystem, acted on after another took its place: nothing removed."""
-    from kvcached.node.decide import Policy
-    from kvcached.node.facts import gather_facts
-    from kvcached.node.layout import Layout
+    from kvcached.node.base.layout import Layout
+    from kvcached.node.clean.decide import Policy
+    from kvcached.node.clean.facts import gather_facts
     from kvcached.node.places.run import execute_places, plan_places
 
     os.makedirs(f"{base}/root/tmp")

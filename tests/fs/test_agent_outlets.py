@@ -15,9 +15,9 @@ import urllib.request
 
 import pytest
 
-from kvcached.node import heartbeat, metrics
-from kvcached.node.metrics_http import CONTENT_TYPE, MetricsServer
-from kvcached.node.report import Report
+from kvcached.node.clean.report import Report
+from kvcached.node.ops import heartbeat, metrics
+from kvcached.node.ops.metrics_http import CONTENT_TYPE, MetricsServer
 
 
 def test_a_beat_is_written_whole_and_read_back(tmp_path) -> None:

@@ -10,10 +10,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-from kvcached.node.cleanup import Action, execute, plan, run_cleanup
-from kvcached.node.decide import Policy, Reason, State
-from kvcached.node.scan import Kind
-from kvcached.node.segment import create_segment
+from kvcached.node.clean.cleanup import Action, execute, plan, run_cleanup
+from kvcached.node.clean.decide import Policy, Reason, State
+from kvcached.node.clean.scan import Kind
+from kvcached.node.state.segment import create_segment
 from kvcached.runtime.harness import start_deployment
 from kvcached.runtime.ipc.client import ping
 

@@ -17,12 +17,12 @@ import time
 import jsonschema
 import pytest
 
-from kvcached.node import cleanup
-from kvcached.node.cleanup import Action, execute
-from kvcached.node.decide import Policy, State
-from kvcached.node.engines import EngineKind, EngineReason, plan_engines
-from kvcached.node.facts import START_SLACK
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean import cleanup
+from kvcached.node.clean.cleanup import Action, execute
+from kvcached.node.clean.decide import Policy, State
+from kvcached.node.clean.facts import START_SLACK
+from kvcached.node.clean.leftovers import EngineKind, EngineReason, plan_engines
 
 from .engine_plant import (
     OLD,
@@ -179,10 +179,10 @@ def test_another_users_entries_as_root_and_as_that_user(engine_node: Node, unpri
 
 _AS_USER = r"""
 import json, sys
-from kvcached.node.decide import Policy
-from kvcached.node.cleanup import execute
-from kvcached.node.engines import plan_engines
-from kvcached.node.layout import Layout
+from kvcached.node.clean.decide import Policy
+from kvcached.node.clean.cleanup import execute
+from kvcached.node.clean.leftovers import plan_engines
+from kvcached.node.base.layout import Layout
 names = [p.rsplit("/", 1)[1] for p in sys.argv[2:]]
 report = execute(plan_engines(Layout(sys.argv[1]), Policy(grace=60), names=names), dry_run=False)
 print(json.dumps({e.candidate.path: [str(e.state), str(e.decision.reason), str(e.action)] for e in report.entries}))

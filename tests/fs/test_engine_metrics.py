@@ -6,11 +6,11 @@ import os
 import re
 import time
 
-from kvcached.node import metrics
-from kvcached.node.cleanup import execute, plan
-from kvcached.node.decide import Policy
-from kvcached.node.engines import plan_engines
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean.cleanup import execute, plan
+from kvcached.node.clean.decide import Policy
+from kvcached.node.clean.leftovers import plan_engines
+from kvcached.node.ops import metrics
 
 _SAMPLE = re.compile(r"^(kvctl_gc_[a-z_]+)\{([^}]*)\} (\S+)$")
 

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcached.node.decide import Policy, State
-from kvcached.node.engines import EngineReason, plan_engines
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean.decide import Policy, State
+from kvcached.node.clean.leftovers import EngineReason, plan_engines
 
 from ..waiting import wait_until
 
@@ -62,9 +62,9 @@ PLAN_INSIDE = _ENTER + textwrap.dedent("""
     check(libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None), "make / private")  # MS_REC | MS_PRIVATE
     if os.fork() == 0:
         check(libc.mount(b"proc", own_proc.encode(), b"proc", 0, None), "mount proc")
-        from kvcached.node.decide import Policy
-        from kvcached.node.engines import plan_engines
-        from kvcached.node.layout import Layout
+        from kvcached.node.clean.decide import Policy
+        from kvcached.node.clean.leftovers import plan_engines
+        from kvcached.node.base.layout import Layout
         out = {}
         for key, proc_root, whole in ((own_proc, own_proc, False), ("/proc", "/proc", False),
                                       ("vouched", own_proc, True)):

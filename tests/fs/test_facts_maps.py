@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 
-from kvcached.node.facts import Facts, gather_facts
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean.facts import Facts, gather_facts
 
 from .engine_plant import MAPPER, Children
 from .helpers import run_as
@@ -57,7 +57,7 @@ def test_a_process_gone_since_the_pass_is_skipped_not_blind(query: str, layout: 
 # under /root, which that user cannot run, so a child of its own is not spawned from here).
 AS_USER = textwrap.dedent("""
     import json, mmap, os, sys
-    from kvcached.node.facts import gather_facts
+    from kvcached.node.clean.facts import gather_facts
     query, path, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
     st = os.stat(path)
     fd = os.open(path, os.O_RDONLY)

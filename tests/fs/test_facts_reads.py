@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-from kvcached.node.facts import gather_facts
+from kvcached.node.clean.facts import gather_facts
 
 
 def test_a_long_environ_and_cmdline_are_read_to_their_end() -> None:

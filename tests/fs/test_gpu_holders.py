@@ -21,8 +21,8 @@ import time
 
 import pytest
 
-from kvcached.node.enums import KillOutcome
-from kvcached.node.facts import gather_facts
+from kvcached.node.base.enums import KillOutcome
+from kvcached.node.clean.facts import gather_facts
 from kvcached.node.gpu import HolderState, find_holders, terminate_holders
 from kvcached.node.gpu.devices import Device, device_table
 from kvcached.node.gpu.gcstep import gpu_step

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.node import diagnostics as dx
-from kvcached.node.host_hazards import (
+from kvcached.node.base.layout import Layout
+from kvcached.node.ops import diagnostics as dx
+from kvcached.node.ops.host_hazards import (
     HostConfig,
     check_remove_ipc,
     check_tmpfiles,
@@ -23,8 +24,7 @@ from kvcached.node.host_hazards import (
     remove_ipc,
     tmpfiles_rules,
 )
-from kvcached.node.layout import Layout
-from kvcached.node.segment import create_segment
+from kvcached.node.state.segment import create_segment
 
 from ..conftest import KVCTL, REPO
 from ..waiting import wait_until

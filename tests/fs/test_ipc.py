@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from kvcached.node.errors import IpcError, SocketInUse, UnsafeDirectory
+from kvcached.node.base.errors import IpcError, SocketInUse, UnsafeDirectory
 from kvcached.runtime.ipc.client import Client, ping
 from kvcached.runtime.ipc.listener import WorkerListener
 from kvcached.runtime.ipc.protocol import MAX_BODY, VERSION
@@ -155,7 +155,7 @@ def test_a_sigterm_handler_stopping_it_during_start_does_not_deadlock(layout, un
     """
     code = textwrap.dedent(f"""
         import os, signal
-        from kvcached.node.layout import Layout
+        from kvcached.node.base.layout import Layout
         from kvcached.runtime.ipc.listener import WorkerListener
 
         w = WorkerListener(Layout({layout.root!r}), {uniq!r}, 0)

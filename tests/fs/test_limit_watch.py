@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from kvcached.node.errors import NotASegment, SegmentMissing
-from kvcached.node.segment import LimitWatch, create_segment, write_segment
+from kvcached.node.base.errors import NotASegment, SegmentMissing
+from kvcached.node.state.segment import LimitWatch, create_segment, write_segment
 
 
 def test_follows_the_limit_and_a_replaced_segment(tmp_path) -> None:

@@ -6,8 +6,8 @@ import os
 import signal
 import threading
 
-from kvcached.node.owner import SegmentCleanup, WorkerSocketCleanup
-from kvcached.node.segment import create_segment
+from kvcached.node.in_engine.captured import SegmentCleanup, WorkerSocketCleanup
+from kvcached.node.state.segment import create_segment
 from kvcached.runtime.harness import start_deployment
 from kvcached.runtime.ipc.client import ping
 
@@ -149,7 +149,7 @@ def test_segment_cleanup_pins_inode(layout, uniq) -> None:
 
 
 def test_segment_cleanup_keeps_a_segment_a_successor_leased(layout, uniq) -> None:
-    from kvcached.node.lease import SegmentLease
+    from kvcached.node.state.lease import SegmentLease
 
     path = layout.segment_path(uniq)
     create_segment(path, 1)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import time
 
-from kvcached.node.cleanup import Action, execute, plan
-from kvcached.node.decide import Policy, State
-from kvcached.node.engines import plan_engines
-from kvcached.node.enums import Engine
-from kvcached.node.layout import Layout
-from kvcached.node.report import KVCACHED, Source
+from kvcached.node.base.enums import Engine
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean.cleanup import Action, execute, plan
+from kvcached.node.clean.decide import Policy, State
+from kvcached.node.clean.leftovers import plan_engines
+from kvcached.node.clean.report import KVCACHED, Source
 
 from .engine_plant import needs_whole_view
 from .helpers import dead_deployment

@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import socket
 
-from kvcached.node.enums import Kind
-from kvcached.node.ident import file_handle, handle_reader
-from kvcached.node.scan import candidate_from_stat, socket_candidate
-from kvcached.node.sockdiag import Bind, BindProbe, bound
+from kvcached.node.base.enums import Kind
+from kvcached.node.base.ident import file_handle, handle_reader
+from kvcached.node.clean.scan import candidate_from_stat, socket_candidate
+from kvcached.node.state.sockdiag import Bind, BindProbe, bound
 
 from .helpers import live_socket, stale_socket
 

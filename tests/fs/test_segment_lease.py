@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
-from kvcached.node.errors import NotASegment, SegmentMissing
-from kvcached.node.lease import SegmentLease, read_proc_locks, segment_lease_held
-from kvcached.node.segment import SEGMENT_SIZE, SegmentInfo, create_segment, read_segment, write_segment
+from kvcached.node.base.errors import NotASegment, SegmentMissing
+from kvcached.node.state.lease import SegmentLease, read_proc_locks, segment_lease_held
+from kvcached.node.state.segment import SEGMENT_SIZE, SegmentInfo, create_segment, read_segment, write_segment
 
 
 def test_create_read_write_roundtrip(layout) -> None:
@@ -34,7 +34,7 @@ def test_writer_waits_for_upstream_style_reader_lock(layout) -> None:
     create_segment(p, 100)
     fd = os.open(p, os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_SH)  # an upstream reader inside its critical section
-    code = f"from kvcached.node.segment import write_segment; write_segment({p!r}, total=5)"
+    code = f"from kvcached.node.state.segment import write_segment; write_segment({p!r}, total=5)"
     child = subprocess.Popen([sys.executable, "-c", code])
     with pytest.raises(subprocess.TimeoutExpired):
         child.wait(0.5)  # blocked on LOCK_EX while we hold LOCK_SH
@@ -65,7 +65,7 @@ def test_lease_is_seen_from_another_process_without_side_effects(layout) -> None
     assert segment_lease_held(p) is False
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from kvcached.node.lease import SegmentLease
+        from kvcached.node.state.lease import SegmentLease
         l = SegmentLease({p!r}); l.acquire(); print("held", flush=True); sys.stdin.read()
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -94,7 +94,7 @@ def test_lease_in_process_roundtrip(layout) -> None:
 
 
 def test_readers_do_not_hang_on_a_stuck_writer(layout) -> None:
-    from kvcached.node.errors import SegmentBusy
+    from kvcached.node.base.errors import SegmentBusy
 
     p = layout.segment_path("seg5")
     create_segment(p, 1)

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from kvcached.node.lease import SegmentLease, segment_lease_held
-from kvcached.node.segment import create_segment, read_segment, write_segment
-from kvcached.node.startup import SegmentConflict, claim_segment
+from kvcached.node.in_engine.startup import SegmentConflict, claim_segment
+from kvcached.node.state.lease import SegmentLease, segment_lease_held
+from kvcached.node.state.segment import create_segment, read_segment, write_segment
 
 from .helpers import backdate
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from kvcached import settings
-from kvcached.integration.engine_state import EngineState
+from kvcached.integration.engine_claim import EngineState
 from kvcached.integration.limits import Limit
-from kvcached.node import sweep as sweep_mod
-from kvcached.node.gclock import GcLock
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
+from kvcached.node.in_engine import sweep as sweep_mod
+from kvcached.node.state.gclock import GcLock
 from kvcached.runtime.harness import start_deployment
 from kvcached.runtime.ipc.client import ping
 

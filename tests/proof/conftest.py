@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
 from kvcached.runtime.harness import Deployment, start_deployment
 
 from .kit import make_root

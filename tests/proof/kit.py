@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
 
 from ..conftest import KVCTL
 from ..waiting import wait_until

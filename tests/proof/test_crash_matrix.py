@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvcached.node.layout import Layout
-from kvcached.node.lease import segment_lease_held
+from kvcached.node.base.layout import Layout
+from kvcached.node.state.lease import segment_lease_held
 from kvcached.runtime.harness import Deployment
 from kvcached.runtime.ipc.client import ping
 
@@ -237,7 +237,7 @@ def test_crash_matrix(tp: int, pp: int, how: str, node: Layout,
         r = subprocess.run([KVCTL, "--root", node.root, "limit", name, "2G", "--json"], capture_output=True,
                            text=True, timeout=60, stdin=subprocess.DEVNULL)
         assert r.returncode == 0, f"kvctl limit on the successor's live segment exited {r.returncode}: {r.stderr}"
-        from kvcached.node.segment import read_segment
+        from kvcached.node.state.segment import read_segment
         assert read_segment(seg).total == 2 << 30
         assert os.path.exists(seg), "the successor's segment was removed"
         assert segment_lease_held(seg), "the segment at the path is not the one the successor's engine holds"

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvcached.node import naming
+from kvcached.node.base import name_rules
 
 from ..conftest import KVCTL, REPO
 from ..schemas import validate
@@ -81,7 +81,7 @@ class Node:
         self.secrets: dict[str, tuple[bytes, float]] = {}  # root's files planted links point at
 
     def sdir(self, name: str) -> str:
-        return os.path.join(self.tmp, naming.socket_dir_name(name))
+        return os.path.join(self.tmp, name_rules.socket_dir_name(name))
 
 
 def _as_user(user: str, code: str) -> None:
@@ -168,8 +168,8 @@ def plant_all(node: Node) -> None:
 
     # 9. names with a newline: in a socket dir name, a segment name, a socket name
     p = mk("newline-names")
-    d = os.path.join(node.tmp, f"kvcached-tp-{n('nl')}\nx-{naming.socket_hash(n('nl'))}")
-    LINE_FORGERIES.add(f"x-{naming.socket_hash(n('nl'))}".encode())
+    d = os.path.join(node.tmp, f"kvcached-tp-{n('nl')}\nx-{name_rules.socket_hash(n('nl'))}")
+    LINE_FORGERIES.add(f"x-{name_rules.socket_hash(n('nl'))}".encode())
     _as_user(u, f"import os; os.mkdir({d!r}, 0o700)")
     p.keep.append(d)
     seg_nl = os.path.join(node.shm, f"kvcached_proc_{PID}\n")
@@ -185,7 +185,7 @@ def plant_all(node: Node) -> None:
     # 10. ANSI escapes in names (a directory and a socket inside a valid one)
     p = mk("ansi-escapes")
     esc = "\x1b[31mRED\x1b]0;pwned\x07"
-    d = os.path.join(node.tmp, f"kvcached-tp-{n('es')}{esc}-{naming.socket_hash(n('es'))}")
+    d = os.path.join(node.tmp, f"kvcached-tp-{n('es')}{esc}-{name_rules.socket_hash(n('es'))}")
     _as_user(u, f"import os; os.mkdir({d!r}, 0o700)")
     p.keep.append(d)
     name = n("es2")
@@ -198,7 +198,7 @@ def plant_all(node: Node) -> None:
     # 11. 200-character names
     p = mk("200-char-names")
     long_name = (n("lg") + "L" * 200)[:200]
-    d = os.path.join(node.tmp, f"kvcached-tp-{long_name}-{naming.socket_hash(long_name)}")
+    d = os.path.join(node.tmp, f"kvcached-tp-{long_name}-{name_rules.socket_hash(long_name)}")
     _as_user(u, f"import os; os.mkdir({d!r}, 0o700)")
     p.keep.append(d)
     node.planted.append(d)

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcached.node import naming
-from kvcached.node.layout import Layout
+from kvcached.node.base import name_rules
+from kvcached.node.base.layout import Layout
 
 from ..conftest import KVCTL
 from ..fs.helpers import UpstreamRuntime, backdate, kill_listener_like_a_bare_probe
@@ -87,7 +87,7 @@ def test_a_deployment_named_through_os_environ_keeps_its_segment(node: Layout, r
     name = runtime.name
     age_everything(node, name)
     with open(f"/proc/{runtime.proc.pid}/environ", "rb") as f:
-        assert naming.ENV_NAME.encode() not in f.read(), "the stand-in must hide its name like os.environ does"
+        assert name_rules.ENV_NAME.encode() not in f.read(), "the stand-in must hide its name like os.environ does"
     before = snapshot(node, name)
     assert_untouched(node.root, node, runtime, before, READ_ONLY + REMOVING)
     doc = json.loads(run(node.root, "inspect", name, "--json").stdout)
@@ -178,7 +178,7 @@ def elsewhere(node: Layout, tmp_path_factory: pytest.TempPathFactory) -> Layout:
 
 def test_our_listener_refuses_an_upstream_nodes_path_without_killing_it(node: Layout, elsewhere: Layout) -> None:
     """Our worker starting under a live upstream deployment's name must neither take over nor kill it."""
-    from kvcached.node.errors import SocketInUse
+    from kvcached.node.base.errors import SocketInUse
     from kvcached.runtime.ipc.listener import WorkerListener
 
     rt = UpstreamRuntime(node.root, uniq("ov"), ranks=1)
@@ -193,7 +193,7 @@ def test_our_listener_refuses_an_upstream_nodes_path_without_killing_it(node: La
 
 def test_owner_cleanup_leaves_an_upstream_listener_alone(node: Layout, elsewhere: Layout) -> None:
     """An engine owner whose captured node is now served by an upstream listener keeps it, politely."""
-    from kvcached.node.owner import WorkerSocketCleanup
+    from kvcached.node.in_engine.captured import WorkerSocketCleanup
 
     rt = UpstreamRuntime(node.root, uniq("ow"), ranks=2)
     try:

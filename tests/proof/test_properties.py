@@ -57,13 +57,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-from kvcached.node import naming
-from kvcached.node.cleanup import Action, Report, execute, plan
-from kvcached.node.decide import Policy, State
-from kvcached.node.facts import Facts, gather_facts
-from kvcached.node.layout import Layout
-from kvcached.node.lease import SegmentLease
-from kvcached.node.segment import create_segment
+from kvcached.node.base import name_rules
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean.cleanup import Action, Report, execute, plan
+from kvcached.node.clean.decide import Policy, State
+from kvcached.node.clean.facts import Facts, gather_facts
+from kvcached.node.state.lease import SegmentLease
+from kvcached.node.state.segment import create_segment
 
 from ..conftest import KVCTL
 from ..waiting import wait_for_state
@@ -241,7 +241,7 @@ class Builder:
             real_root = os.path.join(w.base, "elsewhere", f"d{i}")
         elif dmode == "bad_hash":
             real_root = os.path.join(L.tmp_dir, f"kvcached-tp-{name}-00000000")
-            if naming.socket_hash(name) == "00000000":
+            if name_rules.socket_hash(name) == "00000000":
                 real_root = os.path.join(L.tmp_dir, f"kvcached-tp-{name}-11111111")
         if dmode != "none":
             os.makedirs(real_root, 0o700)
@@ -394,7 +394,7 @@ def _expectations(world: World, infos: list[dict], blind: bool) -> None:
         # live process's KVCACHED_IPC_NAME, or our runtime's mark on the segment
         # (create_segment sets it): an unmarked bare explicit segment is not a candidate.
         marked = seg_state not in ("none", "hardlink", "symlink", "bad_size", "empty")
-        seg_scanned = (naming.DEFAULT_NAME_RE.match(info["name"]) is not None or alive or marked
+        seg_scanned = (name_rules.DEFAULT_NAME_RE.match(info["name"]) is not None or alive or marked
                        or dmode in ("normal", "world_writable", "extras", "symlink"))
         seg_carrier = os.path.lexists(seg) and seg_scanned and seg_state not in ("hardlink", "symlink", "bad_size")
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 import socket
 
-from kvcached.node.cleanup import Action, run_cleanup
-from kvcached.node.decide import Policy, State
-from kvcached.node.facts import gather_facts
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean.cleanup import Action, run_cleanup
+from kvcached.node.clean.decide import Policy, State
+from kvcached.node.clean.facts import gather_facts
 
 from ..waiting import wait_until
 
@@ -112,12 +112,12 @@ def test_names_with_a_trailing_newline_are_not_ours() -> None:
     treat as kvcached state (the hostile suite saw `kvctl delete` remove a
     user's "w0.sock\\n"). `\\Z` (or re.fullmatch) is the fix.
     """
-    from kvcached.node import naming
+    from kvcached.node.base import name_rules
 
-    assert naming.parse_socket_name("w0.sock\n") is None
-    assert naming.parse_stage_name("pp1\n") is None
-    assert naming.DEFAULT_NAME_RE.match("kvcached_proc_1\n") is None
-    assert naming.parse_socket_dir_name(f"kvcached-tp-x-{naming.socket_hash('x')}\n") is None
+    assert name_rules.parse_socket_name("w0.sock\n") is None
+    assert name_rules.parse_stage_name("pp1\n") is None
+    assert name_rules.DEFAULT_NAME_RE.match("kvcached_proc_1\n") is None
+    assert name_rules.parse_socket_dir_name(f"kvcached-tp-x-{name_rules.socket_hash('x')}\n") is None
 
 
 def test_explicit_named_segment_left_without_its_socket_dir_is_found(node: Layout, deployments) -> None:  # type: ignore[no-untyped-def]
@@ -130,7 +130,7 @@ def test_explicit_named_segment_left_without_its_socket_dir_is_found(node: Layou
     dead segment is tied to nothing and `kvctl gc` never sees it: it leaks for
     good (crash matrix, 2×2 harness_stop_like_vllm and double_sigterm rows).
     """
-    from kvcached.node.segment import create_segment
+    from kvcached.node.state.segment import create_segment
 
     name = "explicit-left"
     create_segment(node.segment_path(name), 1 << 30)  # what the dead engine left; no dir, no process

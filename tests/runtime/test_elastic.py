@@ -13,7 +13,7 @@ pytest.importorskip(
     reason="kvcached.runtime._kvpages is not built (pip install -e . compiles it from csrc/)",
 )
 
-from kvcached.node.segment import create_segment, read_segment, write_segment  # noqa: E402
+from kvcached.node.state.segment import create_segment, read_segment, write_segment  # noqa: E402
 from kvcached.runtime.elastic import (  # noqa: E402
     DRAINING,
     MAPPED,

@@ -15,7 +15,7 @@ pytest.importorskip(
     reason="kvcached.runtime._kvpages is not built (pip install -e . compiles it from csrc/)",
 )
 
-from kvcached.node.segment import create_segment, read_segment  # noqa: E402
+from kvcached.node.state.segment import create_segment, read_segment  # noqa: E402
 from kvcached.runtime.pool import (  # noqa: E402
     Geometry,
     KVPool,
@@ -49,7 +49,7 @@ def mapper():
 
 def _set_limit_from_another_process(path: str, total: int) -> None:
     """What `kvctl limit` does: another process rewrites total under the segment lock."""
-    code = ("import sys; from kvcached.node.segment import write_segment; "
+    code = ("import sys; from kvcached.node.state.segment import write_segment; "
                 "write_segment(sys.argv[1], total=int(sys.argv[2]))")
     subprocess.run([sys.executable, "-c", code, path, str(total)], check=True, timeout=30)
 

@@ -15,8 +15,8 @@ pytest.importorskip(
     reason="kvcached.runtime._kvpages is not built (pip install -e . compiles it from csrc/)",
 )
 
-from kvcached.node.layout import Layout  # noqa: E402
-from kvcached.node.segment import read_segment  # noqa: E402
+from kvcached.node.base.layout import Layout  # noqa: E402
+from kvcached.node.state.segment import read_segment  # noqa: E402
 from kvcached.runtime.harness import start_deployment  # noqa: E402
 from kvcached.runtime.pool import BroadcastMapper  # noqa: E402
 

@@ -16,8 +16,8 @@ pytest.importorskip(
     reason="kvcached.runtime._kvpages is not built (pip install -e . compiles it from csrc/)",
 )
 
-from kvcached.node.layout import Layout  # noqa: E402
-from kvcached.node.segment import create_segment, read_segment  # noqa: E402
+from kvcached.node.base.layout import Layout  # noqa: E402
+from kvcached.node.state.segment import create_segment, read_segment  # noqa: E402
 from kvcached.runtime.ipc.client import Client  # noqa: E402
 from kvcached.runtime.pool import (  # noqa: E402
     BroadcastMapper,
@@ -58,7 +58,7 @@ def layout():
 _WORKER = """
 import signal, sys
 from kvcached.runtime.ipc.listener import WorkerListener
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
 from kvcached.runtime.pool import attach_worker
 root, name, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 listener = WorkerListener(Layout(root), name, rank)
@@ -156,7 +156,7 @@ def test_engine_pool_follows_kvctl_limit_across_workers(workers, layout):
         assert len(pool.mapped_pages()) == 4
 
         # `kvctl limit` from another process: the background step releases the reserve.
-        code = ("import sys; from kvcached.node.segment import write_segment; "
+        code = ("import sys; from kvcached.node.state.segment import write_segment; "
                 "write_segment(sys.argv[1], total=int(sys.argv[2]))")
         subprocess.run([sys.executable, "-c", code, workers.segment, str(3 * pb)], check=True, timeout=30)
         wait_for(lambda: read_segment(workers.segment).prealloc == 1 * pb, timeout=5.0)

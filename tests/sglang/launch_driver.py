@@ -98,7 +98,7 @@ def _state() -> list[str] | None:
     root = os.environ.get("KVCACHED_ROOT")
     if not root:
         return None
-    from kvcached.node.gclock import LOCK_NAME
+    from kvcached.node.state.gclock import LOCK_NAME
 
     out = []
     for top in ("dev/shm", "tmp"):

@@ -195,7 +195,7 @@ def _read(path: str) -> dict:
 
 def _state(root: str) -> list[str]:
     """Every path under the test root's /dev/shm and /tmp (what kvcached made there), but the node's gc lock."""
-    from kvcached.node.gclock import LOCK_NAME
+    from kvcached.node.state.gclock import LOCK_NAME
 
     out = []
     for top in ("dev/shm", "tmp"):

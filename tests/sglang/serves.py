@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from kvcached.node.gclock import LOCK_NAME
+from kvcached.node.state.gclock import LOCK_NAME
 from tests.sglang.cpu_env import REPO, child_env
 from tests.waiting import wait_for, wait_notified
 

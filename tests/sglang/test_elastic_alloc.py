@@ -32,7 +32,7 @@ pages = pytest.mark.parametrize("page_size", [1, 16], ids=["token", "paged"])
 @pytest.fixture
 def segment(layout, elastic_env):
     """The deployment's segment, claimed as TP rank 0's scheduler claims it; (path, set_limit)."""
-    from kvcached.node.startup import claim_segment
+    from kvcached.node.in_engine.startup import claim_segment
 
     leases = []
 
@@ -203,7 +203,7 @@ def test_the_accounting_identity_holds_after_every_step(layout, elastic_env, seg
 
 
 def test_usage_is_published_to_the_segment(segment) -> None:
-    from kvcached.node.segment import read_segment
+    from kvcached.node.state.segment import read_segment
 
     path = segment(64 * es.GROUP_BYTES)
     pool, alloc, d = build(True)
@@ -219,13 +219,13 @@ def test_usage_is_published_to_the_segment(segment) -> None:
 
 def test_a_claimed_segment_is_read_through_the_engine_state(layout, elastic_env) -> None:
     """The serve side claims the segment on TP rank 0; the allocator finds it there and takes over the usage."""
-    from kvcached.integration import engine_state
+    from kvcached.integration import engine_claim
     from kvcached.integration.limits import Limit
-    from kvcached.node.segment import read_segment
+    from kvcached.node.state.segment import read_segment
 
-    engine = engine_state.EngineState(layout, elastic_env + "-claimed")  # not the name the environment gives
+    engine = engine_claim.EngineState(layout, elastic_env + "-claimed")  # not the name the environment gives
     assert engine.claim(Limit(8 * es.GROUP_BYTES, "test")) is not None
-    engine_state.register(engine)
+    engine_claim.register(engine)
     try:
         pool, alloc, d = build(True)
         d.add(es.burst(random.Random(4), 0, 6, (200, 300), (10, 20)))

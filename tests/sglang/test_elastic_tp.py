@@ -73,7 +73,7 @@ RANK = textwrap.dedent("""
 
 
 def test_two_tp_ranks_keep_identical_page_sets(layout, uniq, zygote, sgl_scratch, tmp_path) -> None:
-    from kvcached.node.startup import claim_segment
+    from kvcached.node.in_engine.startup import claim_segment
 
     from ..conftest import KVCTL
 

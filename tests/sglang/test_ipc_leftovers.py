@@ -17,7 +17,7 @@ import signal
 
 import pytest
 
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
 from tests.waiting import wait_for
 
 from ..cli.conftest import invoke

@@ -115,7 +115,7 @@ CORE = modules(kvcached.node) + ["kvcached", "kvcached.settings"] + modules(kvct
 
 def test_the_layers_are_the_folders() -> None:
     node = modules(kvcached.node)
-    assert "kvcached.node.cleanup" in node and "kvcached.node.view" in node
+    assert "kvcached.node.clean.cleanup" in node and "kvcached.node.ops.view" in node
     assert not any(m.startswith(("kvcached.runtime", "kvcached.integration")) for m in node)
 
 
@@ -183,7 +183,7 @@ def test_the_engine_side_modules_are_the_documented_ones() -> None:
 
 
 # doctor's engine checks and the document they read: what they say about an engine comes from its section.
-ENGINE_AGNOSTIC = ("kvcached.node.diagnostics", "kvcached.node.detectdoc")
+ENGINE_AGNOSTIC = ("kvcached.node.ops.diagnostics", "kvcached.node.ops.detectdoc")
 
 
 @pytest.mark.parametrize("module", ENGINE_AGNOSTIC)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached.node.decide import Decision, Policy, Reason, State, decide, settle
-from kvcached.node.facts import Facts, ProcessInfo
-from kvcached.node.lease import LockEntry
-from kvcached.node.scan import Candidate, FileType, Kind
-from kvcached.node.sockdiag import Bind
+from kvcached.node.clean.decide import Decision, Policy, Reason, State, decide, settle
+from kvcached.node.clean.facts import Facts, ProcessInfo
+from kvcached.node.clean.scan import Candidate, FileType, Kind
+from kvcached.node.state.lease import LockEntry
+from kvcached.node.state.sockdiag import Bind
 
 NOW = 1_000_000.0
 OLD = NOW - 3600

@@ -123,7 +123,7 @@ def test_every_document_named_exists() -> None:
 def test_the_scan_covers_readme_docs_code_and_build_files() -> None:
     names = {str(p.relative_to(REPO)) for p in cited_files()}
     for expected in ("README.md", "docs/NODE.md", "docs/CLEANER.md", "docs/CONTRIBUTING.md", "Makefile",
-                     "pyproject.toml", "kvcached/node/decide.py", "csrc/module.cpp", ".ci/run",
+                     "pyproject.toml", "kvcached/node/clean/decide.py", "csrc/module.cpp", ".ci/run",
                      "scripts/install-vllm.sh", "csrc/testing/fake_libcuda.c"):
         assert expected in names, expected
 

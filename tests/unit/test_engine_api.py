@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvcached.node.engines import rpc_dirs_from_env
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
+from kvcached.node.clean.leftovers import rpc_dirs_from_env
 
 
 def test_vllm_rpc_base_path_is_rebased_under_the_root() -> None:
@@ -21,23 +21,23 @@ def test_the_package_names_each_export_once_and_imports_it_lazily() -> None:
     import subprocess
     import sys
 
-    from kvcached.node import engines
+    from kvcached.node.clean import leftovers
 
-    assert sorted(engines._HOME) == sorted(engines.__all__)
-    for name in engines.__all__:
-        assert getattr(engines, name) is not None
-    code = ("import sys, kvcached.node.engines.families\n"
-            "print(sorted(m for m in sys.modules if m.startswith('kvcached.node.engines')))")
+    assert sorted(leftovers._HOME) == sorted(leftovers.__all__)
+    for name in leftovers.__all__:
+        assert getattr(leftovers, name) is not None
+    code = ("import sys, kvcached.node.clean.leftovers.families\n"
+            "print(sorted(m for m in sys.modules if m.startswith('kvcached.node.clean.leftovers')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['kvcached.node.engines', 'kvcached.node.engines.families']"
+    assert out.strip() == "['kvcached.node.clean.leftovers', 'kvcached.node.clean.leftovers.families']"
 
 
 def test_the_cheap_prefixes_cover_every_family_in_dev_shm() -> None:
     """names.engine_leftover_count skips names without one of these prefixes: none of a family's may lack one."""
     import re
 
-    from kvcached.node.engines.families import FAMILIES, Where
-    from kvcached.node.names import ENGINE_SHM_PREFIXES
+    from kvcached.node.clean.leftovers.families import FAMILIES, Where
+    from kvcached.node.clean.present import ENGINE_SHM_PREFIXES
 
     shm = [f for f in FAMILIES if f.where is Where.SHM]
     assert len(shm) == 9
@@ -54,8 +54,8 @@ def test_the_cheap_rpc_shape_covers_every_family_in_rpc_dirs() -> None:
     import tempfile
     import uuid
 
-    from kvcached.node.engines.families import FAMILIES, EngineKind, Where, match_name
-    from kvcached.node.names import _rpc_shaped
+    from kvcached.node.clean.leftovers.families import FAMILIES, EngineKind, Where, match_name
+    from kvcached.node.clean.present import _rpc_shaped
 
     assert {f.kind for f in FAMILIES if f.where is Where.RPC} == {EngineKind.VLLM_IPC, EngineKind.SGLANG_IPC}
     sequence = tempfile._get_candidate_names()  # type: ignore[attr-defined]  # what mkstemp draws from
@@ -67,7 +67,7 @@ def test_the_cheap_rpc_shape_covers_every_family_in_rpc_dirs() -> None:
 
 
 def test_gc_kind_choices_are_kvcacheds_kinds_and_the_engine_kinds() -> None:
-    from kvcached.node.enums import EngineKind, Kind
+    from kvcached.node.base.enums import EngineKind, Kind
     from kvctl.commands.gc import NODE_KIND, KindChoice
 
     assert [c.value for c in KindChoice] == [m.value for m in (*Kind, *EngineKind)]

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached.node.decide import Policy, State
-from kvcached.node.engines.decide import EngineReason, decide_engine, settle_groups
-from kvcached.node.engines.evidence import Blind, EngineEvidence, Proc
-from kvcached.node.engines.families import Engine, EngineKind, Where, match_name
-from kvcached.node.engines.scan import EngineCandidate
-from kvcached.node.report import Decision
-from kvcached.node.scan import FileType
-from kvcached.node.sockdiag import Bind
+from kvcached.node.clean.decide import Policy, State
+from kvcached.node.clean.leftovers.decide import EngineReason, decide_engine, settle_groups
+from kvcached.node.clean.leftovers.evidence import Blind, EngineEvidence, Proc
+from kvcached.node.clean.leftovers.families import Engine, EngineKind, Where, match_name
+from kvcached.node.clean.leftovers.scan import EngineCandidate
+from kvcached.node.clean.report import Decision
+from kvcached.node.clean.scan import FileType
+from kvcached.node.state.sockdiag import Bind
 
 NOW = 1_000_000.0
 OLD = NOW - 3600

@@ -12,8 +12,8 @@ from multiprocessing import shared_memory
 
 import pytest
 
-from kvcached.node.engines.families import FAMILIES, Engine, EngineKind, Evidence, Where, match_name
-from kvcached.node.naming import socket_dir_name
+from kvcached.node.base.name_rules import socket_dir_name
+from kvcached.node.clean.leftovers.families import FAMILIES, Engine, EngineKind, Evidence, Where, match_name
 
 
 def _kind(where: Where, name: str) -> EngineKind | None:

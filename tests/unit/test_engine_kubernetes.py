@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from kvcached.node.units import parse_duration
+from kvcached.node.base.units import parse_duration
 
 K8S_VERSION = "1.34.0"
 HERE = Path(__file__).parents[2] / "contrib/kubernetes"

@@ -9,7 +9,7 @@ import pytest
 from kvcached import settings
 from kvcached.integration.limits import ENV_LIMIT, resolve_limit
 from kvcached.integration.vllm.common import engine_name
-from kvcached.node.units import BadValue
+from kvcached.node.base.units import BadValue
 
 ENV_DP = settings.DP_SERVE.name
 

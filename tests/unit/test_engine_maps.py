@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from kvcached.node.facts import _device_maps, _shm_maps
+from kvcached.node.clean.facts import _device_maps, _shm_maps
 
 LINES = [
     b"55d0c0a00000-55d0c0a21000 r--p 00000000 fe:00 1234567                    /usr/bin/python3.11",

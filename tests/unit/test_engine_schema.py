@@ -7,10 +7,10 @@ from pathlib import Path
 
 import jsonschema
 
-from kvcached.node.cleanup import Action
-from kvcached.node.decide import State
-from kvcached.node.engines import Engine, EngineKind, EngineReason
-from kvcached.node.scan import FileType
+from kvcached.node.clean.cleanup import Action
+from kvcached.node.clean.decide import State
+from kvcached.node.clean.leftovers import Engine, EngineKind, EngineReason
+from kvcached.node.clean.scan import FileType
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "kvctl/schemas/engine_entry.json").read_text())
 

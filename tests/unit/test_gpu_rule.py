@@ -6,13 +6,13 @@ import os
 
 import pytest
 
-from kvcached.node.facts import ProcessInfo
+from kvcached.node.clean.facts import ProcessInfo
+from kvcached.node.clean.roles import Role, RoleInfo, classify_process
 from kvcached.node.gpu.devices import DeviceTable, device_table, parse_proc_devices
 from kvcached.node.gpu.fdinfo import parse_fdinfo
 from kvcached.node.gpu.holders import GpuHolder, GpuReport
 from kvcached.node.gpu.judge import HolderState, Parent, judge
 from kvcached.node.gpu.metrics import render_gpu
-from kvcached.node.roles import Role, RoleInfo, classify_process
 
 T0 = 1_000_000.0
 

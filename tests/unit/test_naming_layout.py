@@ -4,30 +4,30 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached.node import naming
-from kvcached.node.errors import InvalidName, PathTooLong
-from kvcached.node.layout import Layout, PathKind, PathRef
+from kvcached.node.base import name_rules
+from kvcached.node.base.errors import InvalidName, PathTooLong
+from kvcached.node.base.layout import Layout, PathKind, PathRef
 
 
 def test_sanitize_matches_upstream_rule() -> None:
-    assert naming.sanitize("my model/v1:prod") == "my-model-v1-prod"
-    assert naming.sanitize("ünïcode_ok-1") == "ünïcode_ok-1"  # str.isalnum is Unicode-aware
-    assert naming.sanitize("a" * 100) == "a" * 64
-    assert naming.sanitize("x\ny\x1b[31m") == "x-y--31m"
+    assert name_rules.sanitize("my model/v1:prod") == "my-model-v1-prod"
+    assert name_rules.sanitize("ünïcode_ok-1") == "ünïcode_ok-1"  # str.isalnum is Unicode-aware
+    assert name_rules.sanitize("a" * 100) == "a" * 64
+    assert name_rules.sanitize("x\ny\x1b[31m") == "x-y--31m"
 
 
 def test_name_from_env_explicit_and_default() -> None:
-    assert naming.ipc_name_from_env({"KVCACHED_IPC_NAME": "a b"}) == "a-b"
-    assert naming.ipc_name_from_env({"KVCACHED_IPC_NAME": ""}, tag="proc").startswith("kvcached_proc_")
-    assert naming.default_ipc_name("vLLM", 12345) == "kvcached_vLLM_12345"
-    assert naming.default_name_pgid("kvcached_vLLM_12345") == 12345
-    assert naming.default_name_pgid("kvcached_SGLang_7_g1") == 7
-    assert naming.default_name_pgid("explicit") is None
+    assert name_rules.ipc_name_from_env({"KVCACHED_IPC_NAME": "a b"}) == "a-b"
+    assert name_rules.ipc_name_from_env({"KVCACHED_IPC_NAME": ""}, tag="proc").startswith("kvcached_proc_")
+    assert name_rules.default_ipc_name("vLLM", 12345) == "kvcached_vLLM_12345"
+    assert name_rules.default_name_pgid("kvcached_vLLM_12345") == 12345
+    assert name_rules.default_name_pgid("kvcached_SGLang_7_g1") == 7
+    assert name_rules.default_name_pgid("explicit") is None
 
 
 def test_hash_is_upstreams() -> None:
     # The example from docs/NODE.md §3.
-    assert naming.socket_dir_name("kvcached_vLLM_12345") == "kvcached-tp-kvcached_vLLM_12345-9bc83684"
+    assert name_rules.socket_dir_name("kvcached_vLLM_12345") == "kvcached-tp-kvcached_vLLM_12345-9bc83684"
 
 
 def test_socket_hash_is_upstreams_uuid5() -> None:
@@ -35,13 +35,13 @@ def test_socket_hash_is_upstreams_uuid5() -> None:
     import uuid
 
     for name in ("n", "kvcached_vLLM_12345", "ünïcode_ok-1", "a" * 64, "x.y-z_0"):
-        assert naming.socket_hash(name) == str(uuid.uuid5(uuid.NAMESPACE_DNS, name))[:8], name
+        assert name_rules.socket_hash(name) == str(uuid.uuid5(uuid.NAMESPACE_DNS, name))[:8], name
 
 
 def test_forward_paths() -> None:
     lay = Layout("/r")
     assert lay.segment_path("n") == "/r/dev/shm/n"
-    d = f"/r/tmp/kvcached-tp-n-{naming.socket_hash('n')}"
+    d = f"/r/tmp/kvcached-tp-n-{name_rules.socket_hash('n')}"
     assert lay.socket_dir("n") == d
     assert lay.socket_path("n", 3) == f"{d}/w3.sock"
     assert lay.socket_path("n", 1, 2) == f"{d}/pp2/w1.sock"
@@ -85,25 +85,25 @@ def test_trailing_newlines_are_not_ours() -> None:
     d = lay.socket_dir("n")
     for planted in (f"{d}/w0.sock\n", f"{d}/pp1\n", f"{d}\n", "/r/dev/shm/kvcached_proc_1\n"):
         assert lay.classify(planted) is None, repr(planted)
-    assert naming.parse_socket_name("w0.sock\n") is None
-    assert naming.parse_stage_name("pp1\n") is None
-    assert naming.default_name_pgid("kvcached_vLLM_12\n") is None
+    assert name_rules.parse_socket_name("w0.sock\n") is None
+    assert name_rules.parse_stage_name("pp1\n") is None
+    assert name_rules.default_name_pgid("kvcached_vLLM_12\n") is None
 
 
 def test_dp_rank_names() -> None:
     """Each DP rank of a serve is its own deployment: `<serve>_dp<rank>`, never longer than 64, never shared."""
-    assert naming.dp_rank_name("kvcached_vLLM_4242", 1) == "kvcached_vLLM_4242_dp1"
-    assert naming.split_dp_rank("kvcached_vLLM_4242_dp1") == ("kvcached_vLLM_4242", 1)
-    assert naming.split_dp_rank("prod_dp12") == ("prod", 12)
-    assert naming.split_dp_rank("prod") == ("prod", None)
-    assert naming.split_dp_rank("_dp1") == ("_dp1", None)  # a name that is all suffix belongs to no serve
+    assert name_rules.dp_rank_name("kvcached_vLLM_4242", 1) == "kvcached_vLLM_4242_dp1"
+    assert name_rules.split_dp_rank("kvcached_vLLM_4242_dp1") == ("kvcached_vLLM_4242", 1)
+    assert name_rules.split_dp_rank("prod_dp12") == ("prod", 12)
+    assert name_rules.split_dp_rank("prod") == ("prod", None)
+    assert name_rules.split_dp_rank("_dp1") == ("_dp1", None)  # a name that is all suffix belongs to no serve
     long = "x" * 64
-    ranks = [naming.dp_rank_name(long, r) for r in (0, 1, 10)]
-    assert all(len(n) <= naming.MAX_NAME and naming.is_valid_name(n) for n in ranks)
+    ranks = [name_rules.dp_rank_name(long, r) for r in (0, 1, 10)]
+    assert all(len(n) <= name_rules.MAX_NAME and name_rules.is_valid_name(n) for n in ranks)
     assert len(set(ranks)) == 3 and ranks[1].endswith("_dp1")
     # A default name with a DP suffix is still recognisably ours and keeps its PGID.
-    assert naming.default_name_pgid("kvcached_vLLM_4242_dp3") == 4242
+    assert name_rules.default_name_pgid("kvcached_vLLM_4242_dp3") == 4242
     assert Layout("/r").classify("/r/dev/shm/kvcached_vLLM_4242_dp3") == PathRef(kind=PathKind.SEGMENT,
                                                                                   deployment="kvcached_vLLM_4242_dp3")
     with pytest.raises(ValueError):
-        naming.dp_rank_name("n", -1)
+        name_rules.dp_rank_name("n", -1)

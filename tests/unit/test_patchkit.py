@@ -297,7 +297,7 @@ def test_a_plugin_loaded_with_kvcached_off_imports_no_patch_kit() -> None:
             "import kvcached.integration.vllm.plugin as v, kvcached.integration.sglang.plugin as s\n"
             "v.register(); s.register()\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('wrapt', 'torch', 'vllm', 'sglang')\n"
-            "             or m in ('kvcached.integration.patchkit', 'kvcached.node.detectdoc')))\n")
+            "             or m in ('kvcached.integration.patchkit', 'kvcached.node.ops.detectdoc')))\n")
     env = {k: v for k, v in os.environ.items()
            if k not in ("KVCACHED_ENABLE", "ENABLE_KVCACHED", "KVCACHED_ELASTIC")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from kvcached import settings
-from kvcached.node.facts import Facts, ProcessInfo
-from kvcached.node.layout import Layout
-from kvcached.node.mounts import read_mountinfo
+from kvcached.node.base.layout import Layout
+from kvcached.node.base.mounts import read_mountinfo
+from kvcached.node.clean.facts import Facts, ProcessInfo
 from kvcached.node.places.discover import HOST, Place, PlaceKind, Seen, _cgroup_ids, discover, pod_of_kubelet_dir
 
 UID = "0c1d2e3f-4a5b-4c6d-8e7f-901234567890"

@@ -104,7 +104,7 @@ def test_no_module_reads_a_setting_at_import() -> None:
 
 
 def test_reading_settings_costs_no_heavy_import() -> None:
-    """Shell completion reads names through kvcached.node.naming, which reads a setting: keep it cheap.
+    """Shell completion reads names through kvcached.node.base.name_rules, which reads a setting: keep it cheap.
 
     Counted as modules loaded, not as time (benchmarks measure time): without
     site, so that nothing else has loaded them first.

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.node.decide import Reason, State, decide
-from kvcached.node.sight import INITIAL_PID_NS, Cause, Credentials, ProcMount, assess, proc_mount
+from kvcached.node.clean.decide import Reason, State, decide
+from kvcached.node.clean.sight import INITIAL_PID_NS, Cause, Credentials, ProcMount, assess, proc_mount
 
 from .test_decide_table import NOW, ROOT, SEG, facts, proc
 

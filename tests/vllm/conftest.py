@@ -69,7 +69,7 @@ def elastic(request, monkeypatch, vllm_env) -> Iterator[bool]:
     process's buffer forgotten.
     """
     from kvcached.integration.patchkit import PatchStatus
-    from kvcached.integration.vllm import elastic_kv
+    from kvcached.integration.vllm import elastic
     from kvcached.integration.vllm.patches import REGISTRY
     from kvcached.runtime import kvbuffer
 
@@ -84,5 +84,5 @@ def elastic(request, monkeypatch, vllm_env) -> Iterator[bool]:
                                                    "elastic-kv": PatchStatus.APPLIED}
     yield on
     REGISTRY.revert()
-    elastic_kv.forget_engine()
+    elastic.forget_engine()
     kvbuffer.set_local_buffer(None)

@@ -143,7 +143,7 @@ def _owner_main(conn: Any, shape: Shape, root: str, name: str, patched: bool, en
 
     from kvcached.integration.vllm import common, plugin
     from kvcached.integration.vllm.patches import REGISTRY
-    from kvcached.node import naming
+    from kvcached.node.base import name_rules
 
     from . import vllm_fakes
 
@@ -154,7 +154,7 @@ def _owner_main(conn: Any, shape: Shape, root: str, name: str, patched: bool, en
     vllm.plugins.plugins_loaded = False
     vllm.plugins.load_general_plugins()
     if not shape.dp_names:
-        naming.dp_rank_name = common.dp_rank_name = lambda base, rank: base  # type: ignore[assignment]
+        name_rules.dp_rank_name = common.dp_rank_name = lambda base, rank: base  # type: ignore[assignment]
     vllm_fakes.install_engine()
     cfg = vllm_fakes.ServeConfig(tp=shape.tp, pp=shape.pp, dp=shape.dp, backend=shape.backend,
                                  worker_start=shape.worker_start)

@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcached.node.layout import Layout
-from kvcached.node.lease import SegmentLease
-from kvcached.node.segment import create_segment
+from kvcached.node.base.layout import Layout
+from kvcached.node.state.lease import SegmentLease
+from kvcached.node.state.segment import create_segment
 from kvcached.runtime.ipc.listener import WorkerListener
 
 from ..waiting import wait_until

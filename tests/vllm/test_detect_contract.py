@@ -23,7 +23,7 @@ import jsonschema
 import pytest
 
 from kvcached.integration.vllm.detect import LABEL, RAY_PROCESSES, plugin, ray_hazard
-from kvcached.node.detectdoc import (
+from kvcached.node.ops.detectdoc import (
     SCHEMA,
     Condition,
     DetectDocument,
@@ -33,7 +33,7 @@ from kvcached.node.detectdoc import (
     PatchStatus,
     parse,
 )
-from kvcached.node.diagnostics import Context, Status, check_engines, engine_results
+from kvcached.node.ops.diagnostics import Context, Status, check_engines, engine_results
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_FILE = REPO / "kvcached" / "schemas" / "detect.json"

@@ -27,9 +27,9 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from kvcached.integration.vllm import elastic_kv  # noqa: E402
-from kvcached.node.segment import read_segment  # noqa: E402
-from kvcached.node.startup import claim_segment  # noqa: E402
+from kvcached.integration.vllm import elastic  # noqa: E402
+from kvcached.node.in_engine.startup import claim_segment  # noqa: E402
+from kvcached.node.state.segment import read_segment  # noqa: E402
 from kvcached.runtime import kvbuffer  # noqa: E402
 from kvcached.runtime.pool import MapError  # noqa: E402
 
@@ -52,7 +52,7 @@ class Serve:
         self.segment = layout.segment_path(name)
         self.vc = es.vllm_config(str(tmp_path), prefix_caching=prefix_caching)
         self.cfg = es.kv_cache_config(self.vc, NUM_BLOCKS)
-        elastic_kv.prepare_engine([self.cfg], "local")  # the executor hook, as for the uni executor
+        elastic.prepare_engine([self.cfg], "local")  # the executor hook, as for the uni executor
         self.kv = es.allocate(self.cfg, self.vc)
         self.buf = kvbuffer.local_buffer()
         if scheduler_cls is None:
@@ -302,7 +302,7 @@ def test_batches_in_flight_keep_their_pages_mapped(serve, monkeypatch) -> None:
     assert run(s) == []
     assert s.mapped_bytes() <= 2 * PB
     s.close()
-    elastic_kv.forget_engine()
+    elastic.forget_engine()
     monkeypatch.setattr(elastic_alloc.InFlight, "finished_through", lambda self: self.issued)
     s2 = serve(scheduler_cls=AsyncScheduler)
     assert run(s2), "with in-flight batches ignored the trace should unmap pages under a running batch"
@@ -383,7 +383,7 @@ def test_the_pool_maps_under_the_engines_claimed_segment_and_alone_publishes_usa
                                                                                     elastic) -> None:
     """With engine-state on too (issue 12), the elastic pool takes its limit from the segment the engine
     claimed, and from then on the engine's whole-cache figures no longer overwrite the pool's."""
-    from kvcached.integration.engine_state import EngineState, register
+    from kvcached.integration.engine_claim import EngineState, register
     from kvcached.integration.limits import Limit
 
     name = f"{uniq}claimed"  # not the name the environment gives: only the claim says which segment
@@ -395,7 +395,7 @@ def test_the_pool_maps_under_the_engines_claimed_segment_and_alone_publishes_usa
         cfg = es.kv_cache_config(vc, NUM_BLOCKS)
         engine.track_kv_cache(NUM_BLOCKS * 1 << 20)  # what engine-state publishes: the whole cache, preallocated
         assert read_segment(layout.segment_path(name)).prealloc == NUM_BLOCKS * 1 << 20
-        plan = elastic_kv.prepare_engine([cfg], "local")
+        plan = elastic.prepare_engine([cfg], "local")
         assert plan.segment_path == layout.segment_path(name)
         es.allocate(cfg, vc)
         sched = es.scheduler(vc, cfg)
@@ -431,7 +431,7 @@ def test_step_hooks_bound_on_the_scheduler_run_every_step_and_follow_the_patch(s
     s.pool.end_step = lambda idle=False: (calls.append("end"), end(idle))[1]
     s.driver.add(burst("r", 4, 40, 30))
     s.driver.step()
-    assert all(getattr(vars(s.sched).get(name), elastic_kv.STEP_MARK, False) for name in elastic_kv.STEP_METHODS)
+    assert all(getattr(vars(s.sched).get(name), elastic.STEP_MARK, False) for name in elastic.STEP_METHODS)
     for _ in range(3):
         s.driver.step()
     assert calls == ["begin", "end"] * 4
@@ -454,9 +454,9 @@ def test_step_hooks_bound_on_the_scheduler_run_every_step_and_follow_the_patch(s
         Scheduler.schedule = ours
 
     s.driver.step()  # ours is the attribute again: bound again
-    assert getattr(vars(s.sched).get("schedule"), elastic_kv.STEP_MARK, False)
+    assert getattr(vars(s.sched).get("schedule"), elastic.STEP_MARK, False)
     REGISTRY.revert()
-    assert not any(name in vars(s.sched) for name in elastic_kv.STEP_METHODS)
+    assert not any(name in vars(s.sched) for name in elastic.STEP_METHODS)
     calls.clear()
     s.driver.run()
     assert calls == [] and s.driver.finished

@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from kvcached.integration.vllm import elastic_kv  # noqa: E402
+from kvcached.integration.vllm import elastic  # noqa: E402
 from kvcached.runtime import kvbuffer  # noqa: E402
 
 from . import elastic_support as es  # noqa: E402
@@ -60,7 +60,7 @@ CASES = [
 def allocate(tmp_path, layout: str, groups, num_blocks: int = 101):
     vc = es.vllm_config(str(tmp_path), layout=layout)
     cfg = es.kv_cache_config(vc, num_blocks, groups=groups())
-    elastic_kv.prepare_engine([cfg], "local", segment_path=str(tmp_path / "seg"))
+    elastic.prepare_engine([cfg], "local", segment_path=str(tmp_path / "seg"))
     return cfg, es.allocate(cfg, vc)
 
 
@@ -173,7 +173,7 @@ def test_a_layout_without_views_falls_back_and_says_why(elastic, tmp_path, caplo
     cfg = es.kv_cache_config(vc, 64)
     cfg.kv_cache_tensors[0].host_resident = True  # as HiSparse host pools are
     cfg.hisparse_host_num_blocks = cfg.num_blocks
-    elastic_kv.prepare_engine([cfg], "local", segment_path=str(tmp_path / "seg"))
+    elastic.prepare_engine([cfg], "local", segment_path=str(tmp_path / "seg"))
     with caplog.at_level("WARNING", logger="kvcached.integration.vllm.elastic"):
         kv = es.allocate(cfg, vc)
     assert kvbuffer.local_buffer() is None and kv

@@ -28,8 +28,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ext]
 
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from kvcached.integration.vllm import elastic_kv, kvlayout  # noqa: E402
-from kvcached.node.startup import claim_segment  # noqa: E402
+from kvcached.integration.vllm import kvlayout  # noqa: E402
+from kvcached.node.in_engine.startup import claim_segment  # noqa: E402
 from kvcached.runtime.ipc.client import Client  # noqa: E402
 from kvcached.runtime.ipc.protocol import CMD_MAPPED  # noqa: E402
 from kvcached.runtime.pool import MapError  # noqa: E402
@@ -44,7 +44,7 @@ PB = 2 * PAGE
 _WORKER = """
 import json, signal, sys
 from kvcached.runtime.ipc.listener import WorkerListener
-from kvcached.node.layout import Layout
+from kvcached.node.base.layout import Layout
 from kvcached.runtime.kvbuffer import KVBuffer
 from kvcached.runtime.kvplan import Footprint
 root, name, rank, fp, page = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5])
@@ -65,7 +65,7 @@ def tp2(tmp_path, layout, uniq, elastic):
     lease, _, _ = claim_segment(layout, uniq, 64 * PB)
     vc = es.vllm_config(str(tmp_path), tp=2, prefix_caching=False)
     cfg = es.kv_cache_config(vc, 256)
-    elastic_kv.prepare_engine([cfg], "sockets", tp_size=2)  # the executor hook, as for the mp executor
+    elastic.prepare_engine([cfg], "sockets", tp_size=2)  # the executor hook, as for the mp executor
     kvlayout.pad_layer_regions(cfg, PAGE)                     # what each worker's allocation does first
     fp = json.dumps(kvlayout.footprint(cfg, KVCacheLayout[cfg.kv_cache_layout]).to_dict())
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER, layout.root, uniq, str(rank), fp, str(PAGE)],

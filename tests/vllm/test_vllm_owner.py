@@ -31,8 +31,8 @@ from vllm.v1.engine.core_client import BackgroundResources, MPClient  # noqa: E4
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor  # noqa: E402
 
 from kvcached.integration import engine_owner as owner_mod  # noqa: E402
-from kvcached.integration.vllm.owner_cleanup import OWNER_ATTR  # noqa: E402
-from kvcached.node.layout import Layout  # noqa: E402
+from kvcached.integration.vllm.owner import OWNER_ATTR  # noqa: E402
+from kvcached.node.base.layout import Layout  # noqa: E402
 from kvcached.runtime.ipc.listener import WorkerListener  # noqa: E402
 
 from .. import conftest  # noqa: E402

@@ -17,7 +17,7 @@ import pytest
 from kvcached.integration import enabled
 from kvcached.integration.patchkit import PatchStatus
 from kvcached.integration.vllm.common import plugin_allowed
-from kvcached.node.detectdoc import parse
+from kvcached.node.ops.detectdoc import parse
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,7 +53,7 @@ def test_a_relative_root_makes_kvcached_stand_aside_in_the_engine(monkeypatch, u
     """KVCACHED_ROOT is strict: a relative one is not taken for `/`, so nothing lands on the real node."""
     from types import SimpleNamespace
 
-    from kvcached.integration.vllm.engine_state import start_engine
+    from kvcached.integration.vllm.claim import start_engine
 
     monkeypatch.setenv("KVCACHED_ROOT", "relative/root")
     monkeypatch.setenv("KVCACHED_IPC_NAME", uniq)
@@ -289,7 +289,7 @@ def test_the_detect_entry_prints_the_document_doctor_reads() -> None:
 def test_vllm_plugins_excluding_kvcached_makes_every_patch_inactive(clean_patches, monkeypatch) -> None:
     """vLLM skips a plugin VLLM_PLUGINS does not list: detect and doctor say inactive, with the fix."""
     from kvcached.integration.vllm.detect import section
-    from kvcached.node.diagnostics import Status, engine_results
+    from kvcached.node.ops.diagnostics import Status, engine_results
 
     monkeypatch.setenv("ENABLE_KVCACHED", "true")
     monkeypatch.setenv("VLLM_PLUGINS", "lora_resolver")

@@ -25,9 +25,9 @@ from ..waiting import wait_until
 pytest.importorskip("vllm", reason="vLLM 0.33 is not installed here (run scripts/install-vllm.sh in this venv)")
 pytestmark = pytest.mark.vllm
 
-from kvcached.node.gclock import LOCK_NAME  # noqa: E402
-from kvcached.node.layout import Layout  # noqa: E402
-from kvcached.node.naming import dp_rank_name  # noqa: E402
+from kvcached.node.base.layout import Layout  # noqa: E402
+from kvcached.node.base.name_rules import dp_rank_name  # noqa: E402
+from kvcached.node.state.gclock import LOCK_NAME  # noqa: E402
 
 from .. import conftest  # noqa: E402
 from ..conftest import KVCTL  # noqa: E402

@@ -28,7 +28,7 @@ from vllm.v1.executor import multiproc_executor as mpe  # noqa: E402
 from vllm.v1.executor.multiproc_executor import WorkerProc  # noqa: E402
 from vllm.v1.worker.worker_base import WorkerWrapperBase  # noqa: E402
 
-from kvcached.integration import state  # noqa: E402
+from kvcached.integration import running  # noqa: E402
 from kvcached.integration.vllm.worker_listener import LISTENER_ATTR  # noqa: E402
 from kvcached.runtime.ipc.client import Client  # noqa: E402
 
@@ -108,7 +108,7 @@ def test_listener_lives_with_the_worker(no_gpu_worker, vllm_env, layout, patched
         worker.shutdown()
         return
     assert os.path.exists(path)
-    assert state.current_worker_listener() is getattr(worker, LISTENER_ATTR)
+    assert running.current_worker_listener() is getattr(worker, LISTENER_ATTR)
     reply = Client(path).ping()
     assert (reply["rank"], reply["stage"], reply["pid"]) == (expect[0], expect[1], os.getpid())
     wrapped = worker.worker.worker
@@ -116,14 +116,14 @@ def test_listener_lives_with_the_worker(no_gpu_worker, vllm_env, layout, patched
     assert wrapped.shutdowns == 1  # vLLM's own teardown still ran
     assert not os.path.lexists(path)
     assert not os.path.exists(layout.socket_dir(vllm_env))
-    assert state.current_worker_listener() is None
+    assert running.current_worker_listener() is None
 
 
 def test_directory_stays_while_a_sibling_serves(no_gpu_worker, vllm_env, layout, patched) -> None:
     """The first worker to stop leaves the directory its sibling still serves in."""
     sibling = _worker(2, 1, 1)
     listener = getattr(sibling, LISTENER_ATTR)
-    state.clear_worker_listener(listener)  # two workers in one test process: keep them apart
+    running.clear_worker_listener(listener)  # two workers in one test process: keep them apart
     worker = _worker(2, 1, 0)
     worker.shutdown()
     assert not os.path.lexists(layout.socket_path(vllm_env, 0))

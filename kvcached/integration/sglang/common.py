@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import settings
-from ...node.naming import dp_rank_name, ipc_name_from_env
+from ...node import dp_rank_name, ipc_name_from_env
 
 log = logging.getLogger("kvcached.integration.sglang")
 

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 
 from ... import settings
-from ...node.detectdoc import Condition, EngineSection, Hazard, Plugin
+from ...node import Condition, EngineSection, Hazard, Plugin
 from .. import enabled
 from ..patchkit import source
 from .common import (

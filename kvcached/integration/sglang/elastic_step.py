@@ -46,7 +46,7 @@ class TPGroup(Protocol):
 
 def _deployment_segment() -> str | None:
     """The segment this serve's rank 0 claimed, else the deployment's by name (picked up once it exists)."""
-    from ..engine_state import claimed_segment, current_engine
+    from ..engine_claim import claimed_segment, current_engine
 
     claimed = claimed_segment()
     if claimed is not None:
@@ -54,7 +54,7 @@ def _deployment_segment() -> str | None:
         if engine is not None:
             engine.defer_usage()  # the allocator knows the mapped pages: it publishes used/prealloc
         return claimed.path
-    from ...node.naming import dp_rank_name, ipc_name_from_env
+    from ...node import dp_rank_name, ipc_name_from_env
     from .. import layout_from_env
 
     name = ipc_name_from_env(tag="SGLang")

@@ -16,9 +16,9 @@ import logging
 from collections.abc import Sequence
 
 from ..patchkit import Patch, Registry
+from .claim import PATCHES as SCHEDULER
 from .elastic import PATCHES as ELASTIC
 from .owner import PATCHES as OWNER
-from .scheduler_state import PATCHES as SCHEDULER
 
 log = logging.getLogger("kvcached.integration.sglang")
 

@@ -2,8 +2,9 @@
 
 - `plugin`: the `vllm.general_plugins` entry point (`register`), and kvcached's logs in vLLM's stream.
 - `patches`: the registry of the five patches below (`REGISTRY`: apply, revert, report).
-- `engine_state`, `worker_listener`, `owner_cleanup`, `lmcache_shutdown`, `elastic_kv`: one patch each.
-- `kvlayout`: where vLLM's KV cache puts each block's bytes (what `elastic_kv` maps).
+- `claim`, `worker_listener`, `owner`, `lmcache_shutdown`, `elastic`: one patch each (each module exports
+  `PATCHES`, as SGLang's do; `claim`, `owner` and `elastic` have SGLang's twins of the same name).
+- `kvlayout`: where vLLM's KV cache puts each block's bytes (what `elastic` maps).
 - `elastic_alloc`: `ElasticBlockPool`, a subclass of vLLM's BlockPool (the one module here that imports vLLM at import).
 - `detect`: vLLM's shutdown conditions and the `vllm` section of kvcached.detect/1.
 - `common`: vLLM's module names and the small readings of its objects the patches share.

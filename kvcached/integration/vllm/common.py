@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ... import settings
-from ...node.naming import dp_rank_name, ipc_name_from_env
+from ...node import dp_rank_name, ipc_name_from_env
 
 # The readers of an engine's shapes are the kit's (shared with SGLang's patches); the vLLM patches import them here.
 from ..patchkit import argument as argument

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 
 from ... import settings
-from ...node.detectdoc import Condition, EngineSection, Hazard, Plugin, ProcessMatch
+from ...node import Condition, EngineSection, Hazard, Plugin, ProcessMatch
 from .. import enabled
 from ..patchkit import is_ours
 from .common import M_ARGS, M_CORE, M_LMCACHE, PLUGIN_NAME, module, plugin_allowed, source

@@ -60,7 +60,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvcached.integration.limits import limit_mapper
-from kvcached.node.errors import KvcachedError
+from kvcached.node import KvcachedError
 from kvcached.runtime.elastic import MAPPED, ElasticPages, SegmentLimit, due_for_release
 from kvcached.runtime.kvbuffer import LinkSetup, WorkerLink
 
@@ -116,7 +116,7 @@ class ElasticSetup:
 def _take_over_usage() -> None:
     """From now on this pool publishes used/prealloc: the engine's own (whole-cache) figures would contradict it."""
     try:
-        from ..engine_state import current_engine
+        from ..engine_claim import current_engine
 
         engine = current_engine()
         if engine is not None:

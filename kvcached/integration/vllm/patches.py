@@ -19,11 +19,11 @@ from __future__ import annotations
 import logging
 
 from ..patchkit import Patch, Registry
-from . import elastic_kv, engine_state, lmcache_shutdown, owner_cleanup, worker_listener
+from . import claim, elastic, lmcache_shutdown, owner, worker_listener
 
 log = logging.getLogger("kvcached.integration.vllm")
 
-PATCHES: tuple[Patch, ...] = (*lmcache_shutdown.PATCHES, *owner_cleanup.PATCHES, *worker_listener.PATCHES,
-                               *engine_state.PATCHES, *elastic_kv.PATCHES)
+PATCHES: tuple[Patch, ...] = (*lmcache_shutdown.PATCHES, *owner.PATCHES, *worker_listener.PATCHES,
+                               *claim.PATCHES, *elastic.PATCHES)
 
 REGISTRY = Registry("vLLM", PATCHES, log)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .. import state
+from .. import running
 from ..patchkit import Changes, Patch, ShapeError
 from .common import M_EXECUTOR, argument, engine_name, module, not_covered, params
 
@@ -71,7 +71,7 @@ def start_worker_listener(worker: Any, vllm_config: Any, rank: int) -> Any:
         # Recorded before it binds: a SIGTERM landing in start() raises SystemExit
         # through here, and the worker's shutdown must still find what to stop.
         worker.__dict__[LISTENER_ATTR] = listener
-        state.set_worker_listener(listener)
+        running.set_worker_listener(listener)
         listener.start()
         log.info("kvcached: worker rank %d (TP %d, PP %d) serves %s", rank, tp_rank, stage, listener.path)
         return listener
@@ -90,7 +90,7 @@ def stop_worker_listener(worker: Any) -> None:
         listener.stop()
     except Exception as e:
         log.warning("kvcached: worker IPC listener stop failed: %s", e)
-    state.clear_worker_listener(listener)
+    running.clear_worker_listener(listener)
 
 
 def _init(wrapped: Any, worker: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..enums import StrEnum
+from ..base.enums import StrEnum
 
 
 class Vendor(StrEnum):

@@ -11,7 +11,7 @@ Finding = tuple[str, str, Optional[str], dict[str, Any]]  # (status: ok/warn/fai
 
 def gpu_orphan_findings(facts: Any, kvctl: str = "kvctl") -> list[Finding]:
     """The check's findings from the run's /proc facts (diagnostics.py makes them CheckResults)."""
-    from ..units import format_size
+    from ..base.units import format_size
 
     report = find_holders(facts)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..facts import Facts
+from ..clean.facts import Facts
 from .holders import GpuReport, find_holders
 
 

@@ -17,8 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..facts import Facts, ProcessInfo, _status_nspids
-from ..roles import Role, RoleInfo, classify_process
+from ..clean.facts import Facts, ProcessInfo, _status_nspids
+from ..clean.roles import Role, RoleInfo, classify_process
 from .devices import Device, DeviceTable, Vendor, device_table
 from .judge import HolderState, Parent, engine_child, engine_family, judge
 from .nvml import GpuMemory

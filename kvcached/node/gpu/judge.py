@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..enums import StrEnum
-from ..facts import START_SLACK, ProcessInfo
-from ..roles import Role, RoleInfo
+from ..base.enums import StrEnum
+from ..clean.facts import START_SLACK, ProcessInfo
+from ..clean.roles import Role, RoleInfo
 
 
 class HolderState(StrEnum):

@@ -16,8 +16,8 @@ import stat
 import time
 from collections.abc import Callable, Sequence
 
-from ..enums import KillOutcome as Outcome
-from ..orphans import KillResult, _wait_exit, pidfd_checked
+from ..base.enums import KillOutcome as Outcome
+from ..clean.orphans import KillResult, _wait_exit, pidfd_checked
 from .devices import DeviceTable, device_table
 from .holders import GpuHolder, _proc_state
 from .judge import HolderState

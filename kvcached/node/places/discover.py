@@ -30,10 +30,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from ... import settings
-from ..enums import StrEnum
-from ..facts import Facts
-from ..layout import Layout
-from ..mounts import Mount, read_mountinfo
+from ..base.enums import StrEnum
+from ..base.layout import Layout
+from ..base.mounts import Mount, read_mountinfo
+from ..clean.facts import Facts
 
 
 class PlaceKind(StrEnum):
@@ -110,6 +110,7 @@ def _dev_text(dev: int | None) -> str | None:
 
 
 HOST = Place(PlaceKind.HOST, "/", Seen.SHM)
+HOST_PLACE = HOST  # its name on the node layer's face, where HOST alone would not say what it is
 
 
 @dataclass

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..decide import Policy
-from ..enums import State
-from ..facts import Facts
-from ..layout import Layout
+from ..base.enums import State
+from ..base.layout import Layout
+from ..clean.decide import Policy
+from ..clean.facts import Facts
 from .discover import Place
 
 if TYPE_CHECKING:
-    from ..cleanup import Plan
+    from ..clean.cleanup import Plan
 
 
 class DeadPlace(NamedTuple):

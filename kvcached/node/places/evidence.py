@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
-from ..engines.evidence import EngineEvidence, Proc
-from ..facts import Facts, ProcessInfo, _read
-from ..lease import LockEntry
+from ..clean.facts import Facts, ProcessInfo, _read
+from ..clean.leftovers.evidence import EngineEvidence, Proc
+from ..state.lease import LockEntry
 from .discover import Place, Places
 
 

@@ -17,17 +17,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..decide import Policy
-from ..enums import Action, EngineKind, State
-from ..facts import Facts
-from ..layout import Layout
-from ..report import Decision, Entry, Report, SourcePlan
+from ..base.enums import Action, EngineKind, State
+from ..base.layout import Layout
+from ..clean.decide import Policy
+from ..clean.facts import Facts
+from ..clean.report import Decision, Entry, Report, SourcePlan
 from .discover import Place, Places, Seen, discover
 
 if TYPE_CHECKING:
-    from ..cleanup import Plan
-    from ..engines import EnginePlan
-    from ..scan import Candidate
+    from ..clean.cleanup import Plan
+    from ..clean.leftovers import EnginePlan
+    from ..clean.scan import Candidate
 
 
 @dataclass
@@ -93,7 +93,7 @@ class PlacesPlan:
 
 def _kvcached_names(layout: Layout, places: Places, facts: Facts) -> set[str]:
     """Every name kvcached ties to its state anywhere on the node: processes' IPC names, every /tmp's socket dirs."""
-    from ..engines.scan import kvcached_names
+    from ..clean.leftovers.scan import kvcached_names
 
     names = kvcached_names(layout, facts)
     for pl in places.others:
@@ -110,7 +110,7 @@ def _in_place(c: Candidate, place: Place) -> Candidate:
 def _plan_kvcached(place: Place, layout: Layout, places: Places, facts: Facts, policy: Policy,
                    names: Sequence[str], now: float, globs: Sequence[str] = (), kinds: Iterable[Any] = ()) -> Plan:
     """cleanup.plan of one place, with the facts as the place sees them; only entries on its own filesystem."""
-    from ..cleanup import plan
+    from ..clean.cleanup import plan
     from .evidence import place_facts
 
     here = place.layout(layout)
@@ -128,8 +128,8 @@ def _plan_engines(plans: list[PlacePlan], layout: Layout, places: Places, facts:
                   kinds: Iterable[EngineKind], rpc_dirs: Sequence[str], names: set[str], now: float,
                   proc_root: str) -> None:
     """Every place's engine plan: one scan each, the evidence gathered once for all of them, a decision per entry."""
-    from ..engines import EnginePlan, decide_engine, gather_engine_evidence, scan_engine_state, settle_groups
-    from ..engines.families import Evidence
+    from ..clean.leftovers import EnginePlan, decide_engine, gather_engine_evidence, scan_engine_state, settle_groups
+    from ..clean.leftovers.families import Evidence
     from .evidence import creators, for_place
 
     scans = []
@@ -198,9 +198,9 @@ def _same_directory(place: Place) -> str | None:
 
 def _kept(p: Any, why: str) -> Any:
     """The plan with nothing stale left to act on: its place moved since the judgement (unknown: kept)."""
-    from ..decide import Reason
-    from ..engines.decide import EngineReason
-    from ..report import Source
+    from ..clean.decide import Reason
+    from ..clean.leftovers.decide import EngineReason
+    from ..clean.report import Source
 
     untested = Reason.NOT_TESTED if p.source is Source.KVCACHED else EngineReason.NOT_TESTED
     decisions = {k: Decision(State.UNKNOWN, untested, f"{d.detail}; {why}", d.pids) if d.state is State.STALE
@@ -211,7 +211,7 @@ def _kept(p: Any, why: str) -> Any:
 def execute_places(pp: PlacesPlan, *, dry_run: bool, deadline: Callable[[], float | None] = lambda: None,
                    progress: Callable[[Any], None] | None = None, skip_host: bool = False) -> list[PlaceResult]:
     """Act on every place's stale entries, each inside its place; `skip_host`: the caller acts on the host's."""
-    from ..cleanup import execute
+    from ..clean.cleanup import execute
 
     out = []
     for plan in pp.plans:
@@ -257,17 +257,17 @@ class PlaceView:
                 + sum(len(d.entries) for d in deployments), "stale_entries": stale, "stale_bytes": self.stale_bytes()}
 
 
-def view_places(pp: PlacesPlan, host_view: Any) -> list[PlaceView]:
-    """inspect -A: every place's view, host first (`host_view`: the host's NodeView, built by the caller)."""
-    from ..report import preview
-    from ..view import build_view
+def view_places(pp: PlacesPlan, host_view: Any, build_view: Callable[[Plan], Any]) -> list[PlaceView]:
+    """inspect -A: every place's view, host first (`host_view`: the host's NodeView; `build_view`: how the
+    caller groups a plan into deployments, ops.view's, which sits a room above this one)."""
+    from ..clean.report import preview
 
     out = []
     for plan in pp.plans:
         if plan.place.is_host:
             view = host_view
         else:
-            view = build_view(plan.plan, namespaces=False) if plan.plan is not None else None
+            view = build_view(plan.plan) if plan.plan is not None else None
         errors = list(plan.place.errors)
         for part in plan.sources():
             if not plan.place.is_host:

@@ -6,7 +6,7 @@ import os
 import socket
 from typing import Any
 
-from ...node.errors import IpcError, ProtocolError
+from ...node import IpcError, ProtocolError
 from .protocol import REPLY, REQUEST, encode, recv_frame
 
 

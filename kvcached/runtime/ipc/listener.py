@@ -13,11 +13,17 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ...node.errors import KvcachedError, ProtocolError, SocketInUse, UnsafeDirectory
-from ...node.facts import gather_facts
-from ...node.layout import Layout
-from ...node.lease import DirLease
-from ...node.sockdiag import Bind, bound
+from ...node import (
+    Bind,
+    DirLease,
+    KvcachedError,
+    Layout,
+    ProtocolError,
+    SocketInUse,
+    UnsafeDirectory,
+    bound,
+    gather_facts,
+)
 from .protocol import REPLY, REQUEST, VERSION, encode, recv_frame
 
 log = logging.getLogger("kvcached.runtime.ipc")

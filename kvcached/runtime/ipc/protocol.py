@@ -12,7 +12,7 @@ import socket
 import struct
 from typing import Any
 
-from ...node.errors import ProtocolError
+from ...node import ProtocolError
 
 MAGIC = b"KV"
 VERSION = 1

@@ -1,0 +1,487 @@
+"""The `elastic-kv` patch: elastic KV memory inside vLLM 0.33 (on with ``KVCACHED_ELASTIC=1``).
+
+Off, nothing here is applied and vLLM allocates its KV cache as it always
+does. On, four points change, each found by its shape (docs/VLLM.md):
+
+1. Engine, `Executor.initialize_from_config`: before the workers allocate,
+   the engine decides whether it can reach their buffers (in-process worker
+   of the ``uni`` executor, or ``mp`` workers serving our listener: the
+   `worker-listener` patch, which this one requires) and marks the KV cache
+   configs it sends them. A worker makes an elastic buffer only for a marked
+   config, so no worker ever waits for an engine that will not map its pages.
+2. Worker, `vllm.v1.worker.utils.allocate_kv_cache` (and the names the model
+   runners imported it under): for a marked config whose layout we can
+   describe (`kvlayout`), the one backing buffer becomes a `KVBuffer` (a
+   reserved range, block 0's pages mapped) and vLLM's own
+   `create_kv_cache_views` lays every layer over it, so each layer's tensor is
+   a view of the range. Anything else falls back to vLLM's allocation and
+   tells the engine why.
+3. Engine, `KVCacheManager.__init__` and the `BlockPool` name its
+   coordinator builds with: the manager's block pool is an
+   `ElasticBlockPool`, once every worker agreed on the page size. If every
+   worker refused, the plain pool is kept; a mix, or a worker that cannot be
+   reached, fails the engine's start.
+4. Engine, `Scheduler.schedule` / `update_from_output` / `finish_requests`:
+   each step starts by following the limit and ends by releasing what its
+   frees left empty; the batches in flight are tracked so that memory a
+   running batch may still write is never unmapped under it.
+
+The limit is the deployment's segment: the one the engine claimed
+(`engine-state`), else ``layout_from_env().segment_path(ipc_name_from_env())``,
+picked up once someone creates it; until it exists the pool is limited only
+by vLLM's own KV capacity.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import sys
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ... import settings
+from .. import running
+from ..patchkit import Changes, Patch, original, require
+from .common import argument, params
+from .kvlayout import footprint, pad_layer_regions, spec_of, unsupported
+
+log = logging.getLogger("kvcached.integration.vllm.elastic")
+
+MARK = "_kvcached_elastic"  # set on the KVCacheConfig objects the engine sends its workers
+
+M_BLOCK_POOL = "vllm.v1.core.block_pool"
+M_COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
+M_MANAGER = "vllm.v1.core.kv_cache_manager"
+M_SCHEDULER = "vllm.v1.core.sched.scheduler"
+M_EXECUTOR = "vllm.v1.executor.abstract"
+M_WORKER_UTILS = "vllm.v1.worker.utils"
+M_INTERFACE = "vllm.v1.kv_cache_interface"
+# Modules that bind allocate_kv_cache by name at import (patched when already imported; those imported later
+# bind the patched name).
+ALLOCATE_USERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils")
+
+
+def switch() -> str | None:
+    """Why the patch is off (KVCACHED_ELASTIC unset), or None when it is on."""
+    return None if settings.ELASTIC.get() else f"elastic KV memory is off (set {settings.ELASTIC.name}=1)"
+
+
+# -- worker: the allocation -------------------------------------------------------
+
+_refusals: list[str] = []  # why this process's worker fell back to vLLM's allocation
+
+
+def allocate_kv_cache(plain: Any, kv_cache_config: Any, device: Any, layout: Any,
+                      kernel_block_sizes: list[int] | None = None) -> dict[str, Any]:
+    """vLLM's allocate_kv_cache (`plain`), over an elastic buffer when the engine asked for one."""
+    if not getattr(kv_cache_config, MARK, False):
+        return plain(kv_cache_config, device, layout, kernel_block_sizes)
+    why = unsupported(kv_cache_config)
+    if why is None and str(device).split(":")[0] not in ("cpu", "cuda"):
+        why = f"device {device} has no page backend"
+    if why is None:
+        try:
+            return _allocate_elastic(kv_cache_config, device, layout, kernel_block_sizes)
+        except Exception as e:  # never fail a worker's start for it: fall back, and say so
+            log.exception("kvcached: elastic KV buffer failed")
+            why = f"{type(e).__name__}: {e}"
+    _refuse(why)
+    return plain(kv_cache_config, device, layout, kernel_block_sizes)
+
+
+def _allocate(wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    return allocate_kv_cache(wrapped, *args, **kwargs)
+
+
+def _allocate_elastic(cfg: Any, device: Any, layout: Any, kernel_block_sizes: list[int] | None) -> dict[str, Any]:
+    from vllm.v1.kv_cache_interface import create_kv_cache_views
+
+    from kvcached.runtime.kvbuffer import KVBuffer, set_local_buffer
+
+    page = settings.PAGE_SIZE.get()
+    # The worker's own copy of the config: the model runner keeps it, so it describes the views made here.
+    pad_layer_regions(cfg, page)
+    buf = KVBuffer(footprint(cfg, layout), page, device=str(device))
+    raw = buf.tensor()
+    kv_caches: dict[str, Any] = {}
+    for t in cfg.kv_cache_tensors:
+        gid, spec = spec_of(cfg, t.layers[0])
+        kernel = kernel_block_sizes[gid] if kernel_block_sizes is not None and gid < len(kernel_block_sizes) \
+            else None
+        views = create_kv_cache_views(raw, spec, cfg.num_blocks_of(t), layout, t, kernel_block_size=kernel)
+        kv_caches.update(zip(t.layers, views))
+    set_local_buffer(buf)
+    listener = running.current_worker_listener()
+    if listener is not None:
+        buf.register(listener)
+    log.info("kvcached: KV cache of %d bytes is elastic: %d pages of %d bytes reserved, %d mapped",
+             cfg.kv_cache_tensors[0].size, buf.plan.num_pages, buf.page_size, buf.pages.num_mapped)
+    return kv_caches
+
+
+def _refuse(why: str) -> None:
+    from kvcached.runtime.ipc.protocol import CMD_INFO
+    from kvcached.runtime.kvbuffer import set_local_buffer
+
+    log.warning("kvcached: this KV cache stays fully allocated, not elastic: %s", why)
+    _refusals.append(why)
+    set_local_buffer(None)
+    listener = running.current_worker_listener()
+    if listener is not None:
+        listener.register(CMD_INFO, lambda _a: {"elastic": False, "why": why})
+
+
+# -- engine: the decision, the pool, the steps ---------------------------------------
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """How this engine reaches its workers' buffers, decided before they allocate."""
+
+    mode: str  # "local": the worker is in this process; "sockets": workers serve listeners
+    tp_size: int = 1
+    pp_size: int = 1
+    segment_path: str | None = None
+
+
+_engine: EnginePlan | None = None
+_tls = threading.local()
+
+
+def prepare_engine(kv_cache_configs: Sequence[Any], mode: str, tp_size: int = 1, pp_size: int = 1,
+                   segment_path: str | None = None) -> EnginePlan:
+    """Mark the configs the workers will allocate and remember how to reach them (the executor seam)."""
+    global _engine
+    if mode not in ("local", "sockets"):
+        raise ValueError(f"unknown mode {mode!r}")
+    if segment_path is None:
+        from ..engine_claim import claimed_segment
+
+        # The segment this engine claimed when its executor started (engine-state),
+        # else the deployment's by name, picked up once someone creates it.
+        claimed = claimed_segment()
+        if claimed is not None:
+            segment_path = claimed.path
+        else:
+            from ...node import ipc_name_from_env
+            from .. import layout_from_env
+
+            segment_path = layout_from_env().segment_path(ipc_name_from_env())
+    for cfg in kv_cache_configs:
+        setattr(cfg, MARK, True)
+    _engine = EnginePlan(mode, tp_size, pp_size, segment_path)
+    return _engine
+
+
+def forget_engine() -> None:
+    """Drop the plan (tests; an engine that did not go elastic)."""
+    global _engine
+    _engine = None
+
+
+def _executor_mode(executor: Any) -> tuple[str | None, str]:
+    """("local" | "sockets" | None, why) for this executor."""
+    parallel = executor.vllm_config.parallel_config
+    if int(getattr(parallel, "data_parallel_size", 1) or 1) > 1:
+        return None, "data parallelism (worker sockets are named per deployment, not per DP rank)"
+    kind = type(executor).__name__
+    if kind == "UniProcExecutor":
+        return "local", ""
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    if isinstance(executor, MultiprocExecutor):
+        return "sockets", ""  # its workers serve our listener: this patch requires worker-listener
+    return None, f"the {kind} executor (elastic KV needs the uni or mp executor)"
+
+
+def _make_setup(num_blocks: int) -> Any:
+    """Link to every worker and agree the page geometry; None when every worker kept vLLM's allocation."""
+    from kvcached.runtime.kvbuffer import LocalLink, SocketLink, local_buffer
+    from kvcached.runtime.pool import MapError
+
+    from .elastic_alloc import ElasticSetup
+
+    plan = _engine
+    assert plan is not None
+    link: Any
+    if plan.mode == "local":
+        buf = local_buffer()
+        if buf is None:
+            log.warning("kvcached: the worker kept vLLM's allocation (%s); the block pool is not elastic",
+                        _refusals[-1] if _refusals else "no elastic buffer in this process")
+            return None
+        link = LocalLink(buf)
+    else:
+        from ...node import ipc_name_from_env
+        from .. import layout_from_env
+
+        link = SocketLink(layout_from_env(), ipc_name_from_env(), plan.tp_size, plan.pp_size,
+                          page_size=settings.PAGE_SIZE.get())
+    try:
+        agreed = link.setup(num_blocks)
+    except MapError as e:
+        if plan.mode == "sockets" and "not elastic" in str(e) and _all_refused(link):
+            log.warning("kvcached: every worker kept vLLM's allocation; the block pool is not elastic: %s", e)
+            return None
+        raise
+    return ElasticSetup(link, agreed, plan.segment_path, settings.ELASTIC_RESERVE_PAGES.get(),
+                        settings.ELASTIC_RELEASE_DELAY_S.get())
+
+
+def _all_refused(link: Any) -> bool:
+    from kvcached.runtime.ipc.client import Client
+    from kvcached.runtime.ipc.protocol import CMD_INFO
+
+    return all(not Client(p, 10.0).call(CMD_INFO).get("elastic") for p in link.paths)
+
+
+def _block_pool(wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What KVCacheCoordinator builds its BlockPool with: elastic for the engine's KV cache manager."""
+    if getattr(_tls, "building", False) and _engine is not None:
+        _tls.building = False  # one pool per manager; connectors' own pools stay plain
+        num_blocks = kwargs.get("num_gpu_blocks", args[0] if args else None)
+        setup = _make_setup(int(num_blocks)) if num_blocks is not None else None
+        if setup is not None:
+            from .elastic_alloc import ElasticBlockPool
+
+            return ElasticBlockPool(*args, elastic=setup, **kwargs)
+    return wrapped(*args, **kwargs)
+
+
+def elastic_pool(scheduler: Any) -> Any:
+    """The scheduler's ElasticBlockPool, or None."""
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    pool = getattr(manager, "block_pool", None)
+    return pool if hasattr(pool, "begin_step") else None
+
+
+# -- the patch: probe, install ---------------------------------------------------------
+
+
+def probe() -> dict[str, Any]:
+    """The modules the patch changes, when the installed vLLM is the shape we know; raises ShapeError otherwise."""
+    mods = {m: importlib.import_module(m) for m in (M_BLOCK_POOL, M_COORDINATOR, M_MANAGER, M_SCHEDULER,
+                                                   M_EXECUTOR, M_WORKER_UTILS, M_INTERFACE)}
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+    bp = mods[M_BLOCK_POOL].BlockPool
+    for name in ("get_num_free_blocks", "get_new_blocks", "free_blocks", "evict_blocks", "reset_prefix_cache",
+                 "_maybe_evict_cached_block", "_notify_reuse", "get_usage"):
+        require(callable(getattr(bp, name, None)), f"BlockPool.{name} is missing")
+    init_src = inspect.getsource(bp.__init__)
+    require("self._reuse_watchers" in init_src and "FreeKVCacheBlockQueue(" in init_src,
+             "BlockPool.__init__ no longer builds a FreeKVCacheBlockQueue and _reuse_watchers")
+    for name in ("popleft", "popleft_n", "remove", "append", "append_n", "prepend_n"):
+        require(callable(getattr(FreeKVCacheBlockQueue, name, None)), f"FreeKVCacheBlockQueue.{name} is missing")
+    fields = getattr(KVCacheBlock, "__dataclass_fields__", {})
+    require({"block_id", "ref_cnt", "_block_hash", "prev_free_block", "is_null"} <= set(fields),
+             "KVCacheBlock no longer has block_id, ref_cnt, _block_hash, prev_free_block, is_null")
+    require(original(getattr(mods[M_COORDINATOR], "BlockPool", None)) is bp,
+             "kv_cache_coordinator no longer builds its pool through the name BlockPool")
+    manager = mods[M_MANAGER].KVCacheManager
+    require("get_kv_cache_coordinator(" in inspect.getsource(original(manager.__init__)),
+             "KVCacheManager.__init__ no longer builds its coordinator")
+    sched = mods[M_SCHEDULER].Scheduler
+    require(params(sched.update_from_output)[:3] == ["self", "scheduler_output", "model_runner_output"],
+             "Scheduler.update_from_output(scheduler_output, model_runner_output) changed")
+    for name in ("schedule", "finish_requests", "has_requests"):
+        require(callable(getattr(sched, name, None)), f"Scheduler.{name} is missing")
+    require(params(mods[M_EXECUTOR].Executor.initialize_from_config) == ["self", "kv_cache_configs"],
+             "Executor.initialize_from_config(kv_cache_configs) changed")
+    require(params(mods[M_WORKER_UTILS].allocate_kv_cache) == ["kv_cache_config", "device", "layout",
+                                                               "kernel_block_sizes"],
+             "vllm.v1.worker.utils.allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes) changed")
+    iface = mods[M_INTERFACE]
+    require(params(iface.create_kv_cache_views)[:5] == ["raw", "spec", "num_blocks", "layout", "kv_cache_tensor"],
+             "create_kv_cache_views(raw, spec, num_blocks, layout, kv_cache_tensor, ...) changed")
+    require("fixed_strides" in params(iface.compute_layout_strides),
+             "compute_layout_strides(..., fixed_strides) changed")
+    return mods
+
+
+def _manager_init(wrapped: Any, _manager: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    _tls.building = True
+    try:
+        wrapped(*args, **kwargs)
+    finally:
+        _tls.building = False
+
+
+# The step hooks. A serve pays them every scheduler step, so after the first step
+# they sit on the scheduler itself (`_bind_steps`): wrapt's proxy per call there is a
+# measurable share of a step (bench_elastic.py; bench/README.md).
+
+STEP_METHODS = ("schedule", "update_from_output")
+STEP_MARK = "_kvcached_step"  # on the hooks bound on a scheduler
+_handles: dict[str, tuple[Any, Any]] = {}  # step method -> (the class, this patch's wrapper on it), while applied
+_bound: weakref.WeakSet[Any] = weakref.WeakSet()  # schedulers carrying the step hooks themselves
+
+
+def _scheduled(pool: Any, schedule: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    pool.begin_step()
+    out = schedule(*args, **kwargs)
+    pool.inflight.issue(out)
+    return out
+
+
+def _updated(scheduler: Any, pool: Any, update: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # The first parameter (probe() checked the signature): binding it through inspect, as the
+    # start-up hooks do, would cost a visible share of a step (bench_elastic.py; bench/README.md).
+    pool.inflight.complete(args[0] if args else kwargs.get("scheduler_output"))
+    out = update(*args, **kwargs)
+    # What this output freed: released beyond the reserve, unmapped once no batch runs;
+    # all of it at once when nothing is left to schedule (no later step would).
+    pool.end_step(idle=not scheduler.has_requests())
+    return out
+
+
+def _bind_steps(scheduler: Any, pool: Any) -> bool:
+    """Put the step hooks on `scheduler` itself, over what this patch wraps; False when that would skip code.
+
+    Bound only while `scheduler`'s class reaches both methods through this
+    patch's own wrappers (no subclass override in between, nothing bound on
+    the instance). Each bound hook checks, per call, that the wrapper is still
+    the Scheduler's attribute: wrapped again or replaced since, the hooks step
+    aside and the call goes through the class as before. Undoing the patch
+    removes them from every scheduler (`_unbind_all`).
+    """
+    cls, own = type(scheduler), vars(scheduler)
+    if any(name not in _handles or name in own or inspect.getattr_static(cls, name, None) is not _handles[name][1]
+           for name in STEP_METHODS):
+        return False
+    (owner_cls, h_schedule), (_, h_update) = _handles["schedule"], _handles["update_from_output"]
+    owner = vars(owner_cls)
+    inner_schedule = h_schedule.__wrapped__.__get__(scheduler, cls)  # what lies under our wrapper, bound
+    inner_update = h_update.__wrapped__.__get__(scheduler, cls)
+
+    # _scheduled and _updated, written out: a frame and its argument packing per call are a
+    # measurable part of what a step pays here (bench_elastic.py, "scheduler step").
+    inflight = pool.inflight
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        if owner.get("schedule") is not h_schedule:
+            _unbind(scheduler)
+            return scheduler.schedule(*args, **kwargs)
+        pool.begin_step()
+        out = inner_schedule(*args, **kwargs)
+        inflight.issue(out)
+        return out
+
+    def update_from_output(*args: Any, **kwargs: Any) -> Any:
+        if owner.get("update_from_output") is not h_update:
+            _unbind(scheduler)
+            return scheduler.update_from_output(*args, **kwargs)
+        inflight.complete(args[0] if args else kwargs.get("scheduler_output"))
+        out = inner_update(*args, **kwargs)
+        pool.end_step(idle=not scheduler.has_requests())
+        return out
+
+    for fn in (schedule, update_from_output):
+        setattr(fn, STEP_MARK, True)
+        own[fn.__name__] = fn
+    _bound.add(scheduler)
+    return True
+
+
+def _unbind(scheduler: Any) -> None:
+    own = vars(scheduler)
+    for name in STEP_METHODS:
+        if getattr(own.get(name), STEP_MARK, False):
+            del own[name]
+    _bound.discard(scheduler)
+
+
+def _unbind_all() -> None:
+    """The patch is undone: every scheduler goes back to its class's methods."""
+    for scheduler in list(_bound):
+        _unbind(scheduler)
+    _handles.clear()
+
+
+def _schedule(wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    pool = elastic_pool(scheduler)
+    if pool is None:
+        return wrapped(*args, **kwargs)
+    if _bind_steps(scheduler, pool):
+        return scheduler.schedule(*args, **kwargs)
+    return _scheduled(pool, wrapped, args, kwargs)
+
+
+def _update_from_output(wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    pool = elastic_pool(scheduler)
+    if pool is None:
+        return wrapped(*args, **kwargs)
+    if _bind_steps(scheduler, pool):
+        return scheduler.update_from_output(*args, **kwargs)
+    return _updated(scheduler, pool, wrapped, args, kwargs)
+
+
+def _finish_requests(wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    out = wrapped(*args, **kwargs)
+    pool = elastic_pool(scheduler)
+    if pool is not None and not scheduler.has_requests():
+        pool.end_step(idle=True)  # aborted while nothing else runs: no step will come
+    return out
+
+
+def _initialize_from_config(wrapped: Any, executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    try:
+        mode, why = _executor_mode(executor)
+        if mode is None:
+            log.warning("kvcached: elastic KV is off for this engine: %s", why)
+            forget_engine()
+        else:
+            parallel = executor.vllm_config.parallel_config
+            prepare_engine(argument(wrapped, args, kwargs, "kv_cache_configs"), mode,
+                           int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size))
+    except Exception as e:  # deciding must never stop the engine: it keeps vLLM's allocation
+        log.warning("kvcached: elastic KV is off for this engine: %s", e)
+        forget_engine()
+    return wrapped(*args, **kwargs)
+
+
+def install(changes: Changes, mods: dict[str, Any]) -> None:
+    """Wrap the allocation (and its bindings), the pool's name, the manager, the scheduler and the executor."""
+    utils = mods[M_WORKER_UTILS]
+    plain = utils.allocate_kv_cache
+    changes.wrap(utils, "allocate_kv_cache", _allocate)
+    for name in ALLOCATE_USERS:
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "allocate_kv_cache", None) is plain:
+            changes.wrap(mod, "allocate_kv_cache", _allocate)
+    changes.wrap(mods[M_COORDINATOR], "BlockPool", _block_pool)
+    changes.wrap(mods[M_MANAGER].KVCacheManager, "__init__", _manager_init)
+    sched = mods[M_SCHEDULER].Scheduler
+    for name, hook in zip(STEP_METHODS, (_schedule, _update_from_output)):
+        _handles[name] = (sched, changes.wrap(sched, name, hook))
+    changes.wrap(sched, "finish_requests", _finish_requests)
+    changes.wrap(mods[M_EXECUTOR].Executor, "initialize_from_config", _initialize_from_config)
+    changes.on_undo(forget_engine)
+    changes.on_undo(_unbind_all)
+
+
+PATCH = Patch(
+    name="elastic-kv",
+    does="KV cache tensors over reserved ranges, pages mapped for the blocks vLLM's block pool hands out, "
+         "under the segment's limit",
+    targets=(
+        "vllm.v1.executor.abstract:Executor.initialize_from_config",
+        "vllm.v1.worker.utils:allocate_kv_cache",
+        "vllm.v1.core.kv_cache_manager:KVCacheManager.__init__",
+        "vllm.v1.core.kv_cache_coordinator:BlockPool",
+        "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+        "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+        "vllm.v1.core.sched.scheduler:Scheduler.finish_requests",
+    ),
+    probe=probe,
+    install=install,
+    requires=("worker-listener",),
+    switch=switch,
+)
+
+PATCHES: tuple[Patch, ...] = (PATCH,)

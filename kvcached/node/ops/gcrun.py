@@ -1,0 +1,380 @@
+"""The gc and delete operations as one call each, so that `kvctl` only parses, calls and renders.
+
+`run_gc(options, ...)`: the node's lock, one plan, orphans killed (and the
+plan made again), the operator's confirmation, the time budget, metrics, and
+an outcome. With `engines` (kvctl gc --engines) the same run also plans the
+engines' own leftovers (kvcached.node.clean.leftovers) from the same /proc pass, and
+one guarded act (cleanup.execute) acts on both plans under the same lock,
+confirmation and time budget, into one report (report.py); without it the
+engine pass is never imported. `run_delete(...)`: one deployment, through the same decisions,
+with delete's own rules for live, foreign and doubtful entries. Questions to
+the operator are callbacks: the core never reads a terminal.
+
+The scan, the /proc pass and the decision are imported when a run needs them:
+on a node that cannot hold kvcached state (nothing in /tmp or /dev/shm that
+any name could make ours) gc reports an empty run without them, which is
+most of what `kvctl gc` costs there (a cron run on an idle node;
+bench/bench_cli_start.py prints the figure).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from ..base.enums import Category, EngineKind, KillOutcome, Kind, Outcome, State
+from ..base.errors import InvalidName, KvcachedError
+from ..base.layout import Layout
+from ..clean.present import may_hold_state, rpc_dirs
+from ..clean.report import Report
+
+if TYPE_CHECKING:
+    from ..clean.cleanup import Plan
+    from ..clean.decide import Decision
+    from ..clean.facts import Facts
+    from ..clean.leftovers import EnginePlan
+    from ..clean.report import SourcePlan
+    from ..clean.sight import Sight
+    from .metrics import Sink
+
+
+class NoMatch(KvcachedError):
+    """The names given match no deployment on the node."""
+
+    category = Category.NOT_FOUND
+
+
+class Refused(KvcachedError):
+    """delete will not act: the target is live, not ours, or not proven dead without the operator's word."""
+
+    category = Category.REFUSED
+
+
+class BadRequest(KvcachedError):
+    """Options that contradict each other (engine leftovers asked for by deployment name)."""
+
+    category = Category.BAD_INPUT
+
+
+@dataclass(frozen=True, kw_only=True)
+class GcOptions:
+    """Everything `kvctl gc` can be asked (by keyword: neighbouring flags must not swap in a reorder)."""
+
+    layout: Layout
+    names: Sequence[str] = ()          # names or globs; empty: every deployment
+    grace: float | None = None         # the grace age; None: decide.DEFAULT_GRACE
+    kinds: Sequence[Kind] = ()
+    dry_run: bool = False
+    yes: bool = False
+    time_limit: float | None = 300.0   # the whole run; None or 0: no bound
+    kill_orphans: bool = False
+    prometheus: str | None = None
+    metrics_sink: Sink | None = None   # also (or instead) serve each run's metrics there (gc --every --metrics-port)
+    proc_root: str = "/proc"
+    engines: bool = False              # also the engines' own leftovers (vLLM, SGLang, NCCL, CUDA)
+    engine_kinds: Sequence[EngineKind] = ()  # `--kind` values of engine leftovers: only these (implies engines)
+    rpc_dirs: Sequence[str] | None = None    # vLLM's RPC directories besides /tmp; None: VLLM_RPC_BASE_PATH
+    all_places: bool = False           # -A: every place of the node, pods included (kvcached.node.places)
+    kubelet_dir: str | None = None     # where -A finds the pods' volumes; None: KVCTL_KUBELET_DIR
+
+    @property
+    def engine_pass(self) -> bool:
+        """Whether the run judges engine leftovers: asked for, and not filtered out by kvcached-only kinds."""
+        return (self.engines or bool(self.engine_kinds)) and (bool(self.engine_kinds) or not self.kinds)
+
+    @property
+    def kvcached_pass(self) -> bool:
+        """Whether the run acts on kvcached's own state: `--kind` naming engine kinds alone leaves it out."""
+        return bool(self.kinds) or not self.engine_kinds
+
+
+@dataclass(kw_only=True)
+class GcResult:
+    """What one gc run found, did and how it ended."""
+
+    report: Report                     # every source's entries (kvcached's, then the engines' when judged)
+    dry_run: bool                      # what the run really was (a run not confirmed is a dry run)
+    outcome: Outcome
+    orphans: list[Any] = field(default_factory=list)    # (DeploymentView, ProcessView)
+    killable: set[int] = field(default_factory=set)     # orphan pids kvctl may terminate
+    killed: list[Any] = field(default_factory=list)     # orphans.KillResult
+    declined: bool = False             # stale entries remain because nobody confirmed
+    places: list[Any] | None = None    # -A: each place's PlaceResult but the host's, whose entries are `report`'s
+    place_errors: list[str] = field(default_factory=list)  # -A: what could not be read while finding places
+    sight: Sight | None = None         # what the run could not see (sight.py): blind when it has reasons
+    gpu: Any = None                    # gpu.GpuReport: the GPU holders, when the run judged engines
+
+
+# (the run's plans acted on as a dry run) -> remove?; None: nobody to ask (cron), so do not remove.
+# gc -A passes every other place's dry run too, as the keyword `places` (places.run.PlaceResult each).
+Confirm = Callable[..., bool]
+ConfirmKill = Callable[[list[Any]], bool]
+
+
+def _split(names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(exact names the scan must look for, globs to filter deployments by)."""
+    exact = [n for n in names if not any(ch in n for ch in "*?[")]
+    return exact, list(names)
+
+
+def make_plan(layout: Layout, names: Sequence[str] = (), grace: float | None = None, kinds: Sequence[Kind] = (),
+              extra: Sequence[str] = (), proc_root: str = "/proc", facts: Facts | None = None) -> Plan:
+    """The plan every command shows or acts on: names are exact names or globs; grace None: the default."""
+    from ..clean.cleanup import plan
+    from ..clean.decide import DEFAULT_GRACE, Policy
+
+    exact, globs = _split(names)
+    return plan(layout, Policy(grace=DEFAULT_GRACE if grace is None else grace), facts=facts,
+                names=exact + list(extra), globs=globs, kinds=kinds, proc_root=proc_root)
+
+
+def _orphans(p: Plan) -> tuple[list[Any], set[int], list[Any]]:
+    """(orphans, pids kvctl may kill, their (deployment, process) pairs)."""
+    if not p.roots:  # nothing to group: a clean node stays fast
+        return [], set(), []
+    from ..clean.roles import Role, classify_process
+
+    # Only a worker or an engine is ever orphaned (view._orphan): on a node that runs
+    # neither, grouping every entry into deployments would find nothing (and view is not imported).
+    if not any(classify_process(i).role in (Role.WORKER, Role.ENGINE) for i in p.facts.processes.values()):
+        return [], set(), []
+    from .view import build_view
+
+    view = build_view(p, read_segments=False, namespaces=False)
+    targets = view.killable_orphans()
+    return view.orphans, {o.pid for _, o in targets}, targets
+
+
+def outcome_of(report: Report, killed: Sequence[Any] = (), places: Sequence[Any] = ()) -> Outcome:
+    """Failures first (of any source's entries, a kill, or -A: any place's), then stale entries left, else clean."""
+    if report.failures or any(k.outcome is KillOutcome.FAILED for k in killed) or any(r.failed for r in places):
+        return Outcome.PARTIAL_FAILURE
+    if report.stale_remaining or any(r.stale_left for r in places):
+        return Outcome.STALE_REMAIN
+    return Outcome.CLEAN
+
+
+def check_options(opts: GcOptions) -> None:
+    """Raise BadRequest for options that contradict each other (before any work, and before a loop of runs)."""
+    if opts.names and opts.engine_pass:
+        raise BadRequest("engine leftovers belong to no deployment: --engines and the engine kinds of --kind take "
+                         f"no NAME (given: {' '.join(opts.names)})")
+
+
+def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: ConfirmKill | None = None,
+           progress: Callable[[Any], None] | None = None, confirm_gpu_kill: ConfirmKill | None = None) -> GcResult:
+    """Lock, plan, (kill orphans, plan again), confirm, act within the time budget, write metrics.
+
+    Raises gclock.LockBusy (metrics say so first), NoMatch, BadRequest, and
+    the errors of a bad metrics target before doing any work. `confirm` sees
+    the run's plans acted on as a dry run (engine leftovers too, when asked for).
+    """
+    check_options(opts)
+    started, wall_start = time.monotonic(), time.time()
+    if opts.prometheus:
+        from . import metrics  # only then: cron without metrics on a clean node stays fast
+
+        metrics.check_target(opts.prometheus)  # before any work: a bad target must not cost a run
+    lock = None
+    if not opts.dry_run:  # a dry run changes nothing, so it neither needs nor blocks the lock
+        from ..state.gclock import GcLock, LockBusy
+
+        lock = GcLock(opts.layout, proc_root=opts.proc_root)
+        try:
+            lock.acquire()
+        except LockBusy:
+            if opts.prometheus or opts.metrics_sink:
+                from . import metrics
+
+                metrics.write_lock_busy(opts.prometheus, wall_start, time.time(), sink=opts.metrics_sink)
+            raise
+    try:
+        # Engine leftovers may sit where no kvcached name does (vLLM's sockets in /tmp): no shortcut then.
+        if opts.engine_pass or opts.all_places or may_hold_state(opts.layout.root):
+            result = _judge_and_act(opts, started, confirm, confirm_kill, progress, confirm_gpu_kill)
+        elif opts.names:
+            raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
+        else:
+            from ..clean.sight import assess
+
+            now = time.time()
+            # No pass ran (nothing here could be ours): sight from the credentials and the /proc mount alone.
+            result = GcResult(report=Report(dry_run=opts.dry_run, entries=[], errors=[], started=now, finished=now),
+                              dry_run=opts.dry_run, outcome=Outcome.CLEAN, sight=assess(opts.proc_root))
+    finally:
+        if lock is not None:
+            lock.release()
+    if opts.prometheus or opts.metrics_sink:
+        from . import metrics
+
+        metrics.write_report(opts.prometheus, result.report,
+                             success=result.outcome is Outcome.CLEAN and not result.dry_run,
+                             orphans=len(result.orphans), started=wall_start,
+                             sink=opts.metrics_sink, blind=result.sight is not None and result.sight.blind,
+                             gpu=result.gpu, places=result.places)
+    return result
+
+
+def _kvcached_plan(opts: GcOptions, extra: Sequence[str] = ()) -> Plan:
+    """kvcached's plan of the run (its /proc facts serve the engine plan too); empty when --kind leaves it out."""
+    p = make_plan(opts.layout, opts.names, opts.grace, opts.kinds, extra=extra, proc_root=opts.proc_root)
+    return p if opts.kvcached_pass else replace(p, roots=[])
+
+
+def _engine_plan(opts: GcOptions, p: Plan) -> EnginePlan:
+    from ..clean.leftovers import plan_engines
+
+    dirs = rpc_dirs(opts.layout.root) if opts.rpc_dirs is None else tuple(opts.rpc_dirs)
+    return plan_engines(opts.layout, p.policy, facts=p.facts, rpc_dirs=dirs, kinds=opts.engine_kinds,
+                        proc_root=opts.proc_root)
+
+
+def _any_stale(plans: Sequence[SourcePlan], pp: Any = None) -> bool:
+    """Whether the plans would remove anything (-A: in any place)."""
+    return any(d.state is State.STALE for p in plans for _, d in p.entries()) or (pp is not None and pp.any_stale())
+
+
+def _ask(confirm: Confirm, plans: Sequence[SourcePlan], pp: Any) -> bool:
+    """The operator's word on the plans, shown as the same plans run dry (-A: every other place's as `places`)."""
+    from ..clean.cleanup import execute
+
+    preview = execute(*plans, dry_run=True)
+    if pp is None:
+        return confirm(preview)
+    from ..places.run import execute_places
+
+    return confirm(preview, places=execute_places(pp, dry_run=True, skip_host=True))
+
+
+def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, confirm_kill: ConfirmKill | None,
+                   progress: Callable[[Any], None] | None, confirm_gpu: ConfirmKill | None = None) -> GcResult:
+    """gc's run under the lock: plan, orphans, confirmation, the guarded act."""
+    from ..clean.cleanup import execute
+
+    p = _kvcached_plan(opts)
+    if opts.names and not p.matched and not opts.all_places:  # -A: the names may match in another place (below)
+        raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
+    orphans, killable, targets = _orphans(p)
+    killed: list[Any] = []
+    if opts.kill_orphans and not opts.dry_run and targets:
+        if opts.yes or (confirm_kill is not None and confirm_kill(targets)):
+            from ..clean.orphans import terminate
+
+            killed = terminate([o.info for _, o in targets], grace=5.0, proc_root=opts.proc_root)
+            # Their segment may be named only by the processes just killed: name it explicitly.
+            p = _kvcached_plan(opts, extra=sorted({d.name for d, _ in targets}))
+            orphans, killable, _ = _orphans(p)
+
+    def left() -> float | None:
+        # The bound covers the whole run: planning, killing and kvcached's removals count against it.
+        return max(1e-9, opts.time_limit - (time.monotonic() - started)) if opts.time_limit else None
+
+    gpu = None
+    if opts.engine_pass:
+        from ..gpu import prepare
+
+        prepare(p.facts)  # the engine pass's one read of the maps also finds GPU mappings
+    pp = _places_plan(opts, p) if opts.all_places else None
+    if pp is not None and opts.names and not any(x.plan is not None and x.plan.matched for x in pp.plans):
+        raise NoMatch(f"no deployment matches {' '.join(opts.names)} in any place of the node")
+    ep = _host_engines(opts, p, pp)
+    if opts.engine_pass:
+        from ..gpu.gcstep import gpu_step
+
+        gpu, ended = gpu_step(p.facts, kill=opts.kill_orphans, yes=opts.yes, dry_run=opts.dry_run,
+                              confirm=confirm_gpu, time_limit=left(), proc_root=opts.proc_root)
+        if ended:  # what they held (their /dev/shm buffers) is judged again without them
+            killed += ended
+            p = _kvcached_plan(opts)
+            pp = _places_plan(opts, p) if opts.all_places else None
+            ep = _host_engines(opts, p, pp)
+    plans: list[SourcePlan] = [p] if ep is None else [p, ep]
+    dry = opts.dry_run
+    declined = False
+    # Only a question needs to know whether anything is stale: a dry run and --yes skip the pass over every entry.
+    if not dry and not opts.yes and _any_stale(plans, pp):
+        dry = confirm is None or not _ask(confirm, plans, pp)
+        declined = dry
+
+    report = execute(*plans, dry_run=dry, time_limit=left(), progress=progress)
+    places = None
+    if pp is not None:
+        from ..places.run import execute_places
+
+        places = execute_places(pp, dry_run=dry, deadline=left, progress=progress, skip_host=True)
+    from ..clean.sight import assess
+
+    return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed, places or ()), orphans=orphans,
+                    killable=killable, killed=killed, declined=declined, places=places,
+                    place_errors=list(pp.errors) if pp is not None else [], sight=assess(opts.proc_root, p.facts),
+                    gpu=gpu)
+
+
+def _host_engines(opts: GcOptions, p: Plan, pp: Any) -> EnginePlan | None:
+    """The host's engine plan: -A's host place's (one evidence pass for every place), else its own."""
+    if pp is not None:
+        return pp.host.engines
+    return _engine_plan(opts, p) if opts.engine_pass else None
+
+
+def _places_plan(opts: GcOptions, p: Plan) -> Any:
+    """-A: every place's plan from the host plan's facts (the host's kvcached plan is `p` itself)."""
+    from ..places.run import plan_places
+
+    dirs = rpc_dirs(opts.layout.root) if opts.rpc_dirs is None else tuple(opts.rpc_dirs)
+    return plan_places(opts.layout, p.policy, p.facts, kvcached=opts.kvcached_pass, engines=opts.engine_pass,
+                       engine_kinds=opts.engine_kinds, rpc_dirs=dirs, kubelet_dir=opts.kubelet_dir, host_plan=p,
+                       now=p.now, proc_root=opts.proc_root, names=opts.names, kinds=opts.kinds)
+
+
+def _refuse_engine_name(name: str) -> None:
+    """A name that no kvcached deployment has but an engine family does: delete does not take engine leftovers."""
+    from ..clean.leftovers.families import Where, match_name
+
+    m = match_name(Where.SHM, name) or match_name(Where.RPC, name)
+    if m is not None:
+        raise Refused(f"{name}: not a kvcached deployment but {m.family.engine}'s ({m.family.what}); delete does not "
+                      f"take engine leftovers: 'kvctl gc --engines --kind {m.family.kind}' removes it once it is "
+                      "provably dead")
+
+
+def run_delete(layout: Layout, name: str, *, grace: float | None = None, vouch: bool = False,
+               confirm: Callable[[list[tuple[Any, Decision]]], bool] | None = None,
+               proc_root: str = "/proc") -> Report:
+    """Remove one deployment's segment and stale sockets, through gc's decisions, with delete's rules.
+
+    A live segment, or a segment not ours, is refused (Refused, naming why).
+    Entries of unknown or young state are removed only when the operator
+    vouches for them (`vouch`, or `confirm` answering yes); live sockets of the
+    deployment are always kept.
+    """
+    from ..clean.cleanup import execute
+
+    try:
+        layout.segment_path(name)  # InvalidName: a usage error, before any work
+    except InvalidName:
+        _refuse_engine_name(name)  # cuda.shm.* is no valid IPC name, but it is a name an operator may try
+        raise
+    p = make_plan(layout, [name], grace, proc_root=proc_root)
+    entries = p.entries()
+    if not entries:
+        _refuse_engine_name(name)
+        raise NoMatch(f"{name}: no such deployment (no segment or socket directory under {layout.root})")
+    for c, d in entries:
+        if c.kind is Kind.SEGMENT and d.state is State.LIVE:
+            who = f" (PID {', '.join(map(str, d.pids))})" if d.pids else ""
+            raise Refused(f"{name} is live{who}: {d.detail}; refusing to delete")
+        if c.kind is Kind.SEGMENT and d.state is State.FOREIGN:
+            _refuse_engine_name(name)  # a file that is no segment but an engine's buffer: say so
+            raise Refused(f"{c.path}: not ours to delete ({d.detail})")
+    doubtful = [(c, d) for c, d in entries if d.state in (State.UNKNOWN, State.YOUNG)]
+    if doubtful and not vouch:
+        if confirm is None or not confirm(doubtful):
+            what = "; ".join(f"{c.path}: {d.state} ({d.detail})" for c, d in doubtful[:3])
+            raise Refused(f"{name}: liveness not proven dead ({what}); re-run with --yes to delete anyway")
+    # The operator vouched for these: they go through the same guarded removal as stale ones.
+    vouched = {c.path: replace(d, state=State.STALE, detail=d.detail + "; deleted on request")
+               for c, d in doubtful}
+    return execute(replace(p, decisions={**p.decisions, **vouched}), dry_run=False)
