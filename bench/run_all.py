@@ -21,6 +21,8 @@ another's measurement.
                        adds over 1,000 psm_ files and 200 processes vs a bare maps-reading loop
 7. bench_gpu_holders.py  the GPU-holder pass over 500 processes against the gc --engines run it is part
                        of (paired runs; target: adds ≤ 10 %)
+8. bench_places.py     gc -A --engines' pass over 50 pod volumes x 200 files vs the host pass over the
+                       same 10,000 files in one directory (root only: tmpfs mounts)
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = [["bench_cli_start.py"], ["bench_gc.py"], ["bench_pages.py"], ["bench_elastic.py"], ["bench_sglang.py"],
-           ["bench_engines.py"], ["bench_gpu_holders.py"]]
+           ["bench_engines.py"], ["bench_gpu_holders.py"], ["bench_places.py"]]
 
 
 def main() -> int:

@@ -279,10 +279,30 @@ KVCTL_LOCK = Setting[str | None]("KVCTL_LOCK", "path", None, "path of kvctl gc's
                                  absolute_path)
 KVCTL_EVERY_MIN_S = Setting("KVCTL_EVERY_MIN_S", "seconds", 10.0,
                             "the shortest DURATION kvctl gc --every accepts (tests set a tiny one)", seconds(0.001))
+KVCTL_KUBELET_DIR = Setting("KVCTL_KUBELET_DIR", "path", "/var/lib/kubelet",
+                            "default for kvctl -A's --kubelet-dir: where the kubelet keeps pods/<uid>/volumes",
+                            absolute_path)
+KVCTL_SANDBOX_ROOT = Setting("KVCTL_SANDBOX_ROOT", "path", "/",
+                             "re-bases the container runtimes' sandbox directories that kvctl -A looks in "
+                             "(SANDBOX_SHM; a DaemonSet that mounts the host's under /host, tests)", absolute_path)
+
+# The container runtimes' per-sandbox /dev/shm mounts, each (runtime, directory of sandboxes, the shm mount below
+# one sandbox's entry): a tmpfs mounted at <directory>/<id>/<below> is that sandbox's /dev/shm, shared by its
+# containers and kept across their restarts (docs/PLACES.md §1). Read from each runtime's source: containerd's
+# getSandboxDevShm (its volatile sandbox root under the state directory, /run/containerd), CRI-O's ShmPath in
+# the container's userdata (under its run root, and its storage root in older releases), Docker's
+# ShmResourcePath (mounts/shm under the container's directory; shm directly below it before 1.13).
+SANDBOX_SHM: tuple[tuple[str, str, str], ...] = (
+    ("containerd", "/run/containerd/io.containerd.grpc.v1.cri/sandboxes", "shm"),
+    ("cri-o", "/run/containers/storage/overlay-containers", "userdata/shm"),
+    ("cri-o", "/var/lib/containers/storage/overlay-containers", "userdata/shm"),
+    ("docker", "/var/lib/docker/containers", "mounts/shm"),
+    ("docker", "/var/lib/docker/containers", "shm"),
+)
 
 ALL: tuple[Setting[Any], ...] = (
     ENABLE_KVCACHED, ENABLE, ELASTIC, VLLM_PLUGINS, SGLANG_PLUGINS, IPC_NAME, ROOT, DP_SERVE, LIMIT,
     PUBLISH_INTERVAL_S, OWNER_EXIT_WAIT_S, OWNER_RETRY_S, STARTUP_SWEEP, STARTUP_SWEEP_ENGINES, PAGE_SIZE,
     ELASTIC_RESERVE_PAGES, ELASTIC_RELEASE_DELAY_S, NVIDIA_GPUS_DIR, NO_CUDA, REQUIRE_EXT, KVCTL_ROOT, KVCTL_LOCK,
-    KVCTL_EVERY_MIN_S,
+    KVCTL_EVERY_MIN_S, KVCTL_KUBELET_DIR, KVCTL_SANDBOX_ROOT,
 )

@@ -189,10 +189,54 @@ def _report(schema: str, root: str, report: Report, dry_run: bool, code: IntEnum
 def gc_document(root: str, result: GcResult, code: IntEnum) -> dict[str, Any]:
     """`gc --json` (gc.json, schema kvctl.gc/1); with --engines, the engine leftovers' entries follow kvcached's."""
     # blind: null when the run saw every process; else each reason it did not (kvcached.node.clean.sight)
-    return _report("kvctl.gc/1", root, result.report, result.dry_run, code,
-                   orphans=[{"deployment": d.name, **o.to_dict()} for d, o in result.orphans],
-                   killed=[k.to_dict() for k in result.killed],
-                   blind=result.sight.to_dict() if result.sight is not None else None)
+    doc = _report("kvctl.gc/1", root, result.report, result.dry_run, code,
+                  orphans=[{"deployment": d.name, **o.to_dict()} for d, o in result.orphans],
+                  killed=[k.to_dict() for k in result.killed],
+                  blind=result.sight.to_dict() if result.sight is not None else None)
+    if result.places is not None:
+        _add_places(doc, result)
+    return doc
+
+
+def _add_counts(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Another place's summary counted into this one's (states, actions and bytes by key; entries)."""
+    for key in ("states", "actions", "bytes"):
+        if key in mine and key in theirs:
+            mine[key] = {k: n + theirs[key].get(k, 0) for k, n in mine[key].items()}
+    for key in ("entries", "removed_bytes"):
+        if key in mine and key in theirs:
+            mine[key] += theirs[key]
+    mine["timed_out"] = mine["timed_out"] or theirs["timed_out"]
+
+
+def _add_places(doc: dict[str, Any], result: GcResult) -> None:
+    """gc -A: every entry carries its place; the other places' entries follow the host's; the places are listed.
+
+    The summary counts every place's entries (and `summary.engines` every place's engine leftovers).
+    """
+    from kvcached.node import HOST_PLACE as HOST
+    from kvcached.node import PlaceResult, Source
+
+    host = {**HOST.to_dict(), "path": doc["root"]}
+    rows = [{**row, "place": host} for row in doc["entries"]]
+    summary: dict[str, Any] = doc["summary"]
+    errors: list[str] = doc["errors"]
+    listed = [PlaceResult(HOST, result.report).to_dict() | {"path": doc["root"]}]
+    for r in result.places or ():
+        listed.append(r.to_dict())
+        if r.report is None:
+            continue
+        where = r.place.to_dict()
+        rows += [{**e.to_dict(), "place": where} for e in r.report.entries]
+        _add_counts(summary, r.report.summary())
+        engines = r.report.part(Source.ENGINES) if "engines" in summary else None
+        if engines is not None:
+            _add_counts(summary["engines"], engines.summary())
+        errors += [e for e in r.report.errors if e not in errors]
+    errors += [e for e in result.place_errors if e not in errors]
+    summary["errors"] = len(errors)
+    doc["entries"] = rows
+    doc["places"] = listed
 
 
 def delete_document(root: str, report: Report, code: IntEnum) -> dict[str, Any]:
@@ -204,13 +248,31 @@ def _inspect(view: NodeView) -> dict[str, Any]:
     return {"schema": "kvctl.inspect/1", **view.to_dict()}
 
 
-def inspect_document(view: NodeView, pid: int | None,
-                     engines: Sequence[Entry[Any]] = (), gpu: Any = None) -> dict[str, Any]:
+def inspect_document(view: NodeView, pid: int | None, engines: Sequence[Entry[Any]] = (), gpu: Any = None,
+                     places: Sequence[Any] | None = None) -> dict[str, Any]:
     """`inspect --json` (inspect.json): the node's view, the `--pid` it was seen through, the engines' leftovers,
-    the GPU holders (kvcached.node.gpu.GpuReport)."""
-    return {**_inspect(view), "pid": pid, "engine_state": [e.to_dict() for e in engines],
-            "gpu_holders": [] if gpu is None else gpu.to_list(),
-            "gpu_memory_note": None if gpu is None else gpu.memory_note}
+    the GPU holders (kvcached.node.gpu.GpuReport).
+
+    With `places` (inspect -A: the face's PlaceView, host first), every deployment and
+    engine entry carries its place, and the document lists the places.
+    """
+    doc = {**_inspect(view), "pid": pid, "engine_state": [e.to_dict() for e in engines],
+           "gpu_holders": [] if gpu is None else gpu.to_list(),
+           "gpu_memory_note": None if gpu is None else gpu.memory_note}
+    if places is None:
+        return doc
+    host = places[0].place.to_dict() | {"path": view.layout.root}
+    doc["deployments"] = [{**d, "place": host} for d in doc["deployments"]]
+    doc["engine_state"] = [{**e, "place": host} for e in doc["engine_state"]]
+    for pv in places[1:]:
+        where = pv.place.to_dict()
+        if pv.view is not None:
+            doc["deployments"] += [{**d.to_dict(), "place": where} for d in pv.view.deployments]
+            doc["unowned"] += [e.to_dict() for e in pv.view.unowned]
+        doc["engine_state"] += [{**e.to_dict(), "place": where} for e in pv.engines]
+    doc["places"] = [pv.to_dict() for pv in places]
+    doc["places"][0]["path"] = view.layout.root
+    return doc
 
 
 def doctor_document(root: str, results: Sequence[CheckResult], *, healthy: bool, strict: bool,

@@ -215,6 +215,18 @@ JsonInspect = Annotated[bool, typer.Option("--json", metavar="", help=helpfmt.js
 JsonDoctor = Annotated[bool, typer.Option("--json", metavar="", help=helpfmt.json_help("doctor"))]
 JsonDemo = Annotated[bool, typer.Option("--json", metavar="", help=helpfmt.json_help("demo"))]
 
+AllPlaces = Annotated[
+    bool,
+    typer.Option("-A", "--all-namespaces", metavar="",
+                 help="Every place on the node, pods included: each /dev/shm and /tmp some process sees in its own "
+                 "mount namespace, the pods' memory-backed emptyDir volumes, the container runtimes' sandbox shm "
+                 "(docs/PLACES.md)."),
+]
+KubeletDir = Annotated[
+    Optional[str],
+    typer.Option("--kubelet-dir", metavar="DIR", show_default="/var/lib/kubelet",
+                 help="With -A: the kubelet's directory, where pods/<uid>/volumes are (default: KVCTL_KUBELET_DIR)."),
+]
 OneName = Annotated[str, typer.Argument(metavar="NAME", help="IPC name of the deployment.")]
 NamesArg = Annotated[Optional[list[str]], typer.Argument(metavar="NAME", help="IPC names or globs (default: all).")]
 MinAgeOpt = Annotated[

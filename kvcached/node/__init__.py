@@ -6,6 +6,7 @@ only. Its rooms, grouped by whom they serve (docs/ARCHITECTURE.md):
 - `base/`: building blocks (enums, errors, units, IPC name rules, Layout, mountinfo, file handles);
 - `state/`: node state primitives (the segment, leases, sock_diag, the gc lock);
 - `clean/`: the cleaner (the /proc fact pass, scan, decision, guarded act, report; `leftovers/`: the engines' families);
+- `places/`: every place of the node kvctl -A judges (pods' volumes, sandbox shm, other mount namespaces);
 - `ops/`: the operations kvctl calls (gc and delete, inspect's view, doctor, metrics, demo, orphans);
 - `in_engine/`: what engine processes run (the start-up claim and sweep, the owner's captured state).
 
@@ -94,6 +95,11 @@ FACE: dict[str, tuple[str, str | None]] = {
     "NodeView": ("ops.view", "NodeView"),
     "build_view": ("ops.view", "build_view"),
     "layout_for_pid": ("ops.view", "layout_for_pid"),
+    "HOST_PLACE": ("places.discover", "HOST_PLACE"),
+    "PlaceResult": ("places.run", "PlaceResult"),
+    "plan_places": ("places.run", "plan_places"),
+    "view_places": ("places.run", "view_places"),
+    "would_remove": ("places.run", "would_remove"),
     "DirLease": ("state.lease", "DirLease"),
     "SegmentLease": ("state.lease", "SegmentLease"),
     "LimitWatch": ("state.segment", "LimitWatch"),
@@ -320,6 +326,21 @@ if TYPE_CHECKING:  # what mypy reads; at run time names load in __getattr__
     )
     from .ops.view import (
         layout_for_pid as layout_for_pid,
+    )
+    from .places.discover import (
+        HOST_PLACE as HOST_PLACE,
+    )
+    from .places.run import (
+        PlaceResult as PlaceResult,
+    )
+    from .places.run import (
+        plan_places as plan_places,
+    )
+    from .places.run import (
+        view_places as view_places,
+    )
+    from .places.run import (
+        would_remove as would_remove,
     )
     from .state.lease import (
         DirLease as DirLease,

@@ -6,7 +6,7 @@ import typer
 
 from ..documents import doctor_document
 from ..exitcodes import CliError, Exit
-from ..params import JsonDoctor, KvctlCommand, globals_of, typer_app
+from ..params import AllPlaces, JsonDoctor, KubeletDir, KvctlCommand, globals_of, typer_app
 from ..render import Out, emit_json, state_cell
 
 app = typer_app()
@@ -52,6 +52,8 @@ def doctor(
         typer.Argument(metavar="CHECK", help="Checks or groups to run (default: all)."),
     ] = None,
     strict: Annotated[bool, typer.Option("--strict", metavar="", help="Warnings fail too.")] = False,
+    all_places: AllPlaces = False,
+    kubelet_dir: KubeletDir = None,
     json_out: JsonDoctor = False,
 ) -> int:
     """Diagnose the node: environment, configuration, node state, serving engine; one line and a fix per check."""
@@ -66,7 +68,8 @@ def doctor(
             f"{', '.join(dx.Group)})",
             Exit.USAGE,
         ) from None
-    results = dx.run_checks(dx.Context(run.layout(), kvctl=run.prefix()), selected)
+    where = dx.Context(run.layout(), kvctl=run.prefix(), all_places=all_places, kubelet_dir=kubelet_dir)
+    results = dx.run_checks(where, selected)
     ok = dx.healthy(results, strict=strict)
     code = Exit.OK if ok else Exit.UNHEALTHY
     if json_out:

@@ -10,8 +10,10 @@ from kvcached.node import Action, EngineKind, Kind, Source, StrEnum
 from ..documents import error_document, gc_document
 from ..exitcodes import CATEGORY_EXIT, CliError, Exit, exit_of
 from ..params import (
+    AllPlaces,
     Globals,
     JsonGc,
+    KubeletDir,
     KvctlCommand,
     MinAgeOpt,
     globals_of,
@@ -45,7 +47,7 @@ NODE_KIND: dict[KindChoice, Kind | EngineKind] = {KindChoice(m.value): m for m i
 def _asker(out: Out, run: Globals) -> Any:
     """gc's question before it removes (on a terminal): the plan, one row per deployment, then yes or no."""
 
-    def confirm(preview: Any) -> bool:
+    def confirm(preview: Any, places: Any = None) -> bool:
         if not interactive():
             return False
         from ..render_sources import render_run
@@ -59,6 +61,13 @@ def _asker(out: Out, run: Globals) -> Any:
 
             n = preview.count(action=Action.WOULD_REMOVE, source=Source.ENGINES)
             what += f" and {n} engine leftover(s) ({format_size(preview.bytes(action=Action.WOULD_REMOVE))})"
+        if places is not None:
+            from kvcached.node import would_remove
+
+            from ..render_places import render_places_preview
+
+            render_places_preview(out, places, verbose=run.verbose > 0)
+            what += f" here, and {would_remove(places)} entr(ies) in {len(places)} other place(s)"
         return typer.confirm(f"Remove {what}?", default=False, err=True)
 
     return confirm
@@ -145,6 +154,10 @@ def _run_line(result: Any, code: int) -> tuple[str, str]:
     from ..render_sources import run_line
 
     line = f"kvctl gc: {run_line(result.report)}"
+    if result.places is not None:
+        from ..render_places import places_summary_line
+
+        line += f"; {places_summary_line(result)}"
     blind = _blind_line(result)
     line += f"; {blind}" if blind else ""
     level = "error" if code in (Exit.ERROR, Exit.PARTIAL_FAILURE) else "warning" if code or blind else "info"
@@ -296,6 +309,38 @@ MetricsAddressOpt = Annotated[
 ]
 
 
+def _declined(run: Globals, opts: Any, result: Any, min_age: float) -> None:
+    """Nothing removed because nobody confirmed: how many stale entries remain, and the command that removes them."""
+    again = ("gc -A" if opts.all_places else "gc") + (" --engines --yes" if opts.engine_pass else " --yes")
+    stale = len(result.report.stale_remaining) + sum(len(r.report.stale_remaining) for r in result.places or ()
+                                                     if r.report is not None)
+    note(f"nothing removed: {stale} stale entr{'y' if stale == 1 else 'ies'} remain; "
+         f"re-run with --yes to remove them ({run.hinter(min_age)(again)})")
+
+
+def _show(out: Out, run: Globals, result: Any) -> None:
+    """gc's report on stdout: a row per deployment (or engine) on a terminal (every entry with -v), else per entry."""
+    if result.places is not None:
+        from ..render_places import render_places_report
+
+        render_places_report(out, result, verbose=run.verbose > 0, terminal=out.terminal)
+        return
+    from ..render_sources import render_run
+
+    render_run(out, result.report, verbose=run.verbose > 0, grouped=out.terminal)
+
+
+def _log(result: Any) -> None:
+    """What cron must still see on stderr: every failure and each part's summary (-A: each place's too)."""
+    from ..render_sources import log_run
+
+    log_run(result.report)
+    if result.places is not None:
+        from ..render_places import log_places
+
+        log_places(result)
+
+
 @app.command("gc", cls=KvctlCommand)
 def gc(
     ctx: typer.Context,
@@ -346,6 +391,8 @@ def gc(
                      help="Run again every DURATION (10% jitter; the first run at once) until SIGTERM or SIGINT, "
                      "one line per run; needs --yes or --dry-run; at least 10s."),
     ] = None,
+    all_places: AllPlaces = False,
+    kubelet_dir: KubeletDir = None,
     heartbeat: HeartbeatOpt = None,
     check_heartbeat: CheckHeartbeatOpt = None,
     max_age: MaxAgeOpt = None,
@@ -365,7 +412,8 @@ def gc(
     opts = GcOptions(layout=run.layout(), names=tuple(names or ()), grace=min_age,
                      kinds=tuple(k for k in chosen if isinstance(k, Kind)), dry_run=dry_run, yes=yes,
                      time_limit=time_limit or None, kill_orphans=kill_orphans, prometheus=prometheus,
-                     engines=engines, engine_kinds=tuple(k for k in chosen if isinstance(k, EngineKind)))
+                     engines=engines, engine_kinds=tuple(k for k in chosen if isinstance(k, EngineKind)),
+                     all_places=all_places, kubelet_dir=kubelet_dir)
     if every is not None:
         return _every(every, opts, run, json_out, loop)
     result = _run(opts, out, run, json_out)
@@ -373,20 +421,12 @@ def gc(
     if kill_orphans and not dry_run and not yes and not result.killed and result.killable:
         note("orphans not terminated: confirm on a terminal or pass --yes")
     if result.declined:
-        again = "gc --engines --yes" if opts.engine_pass else "gc --yes"
-        stale = len(result.report.stale_remaining)
-        note(f"nothing removed: {stale} stale entr{'y' if stale == 1 else 'ies'} remain; "
-             f"re-run with --yes to remove them ({run.hinter(min_age)(again)})")
+        _declined(run, opts, result, min_age)
     if json_out:
         emit_json(gc_document(run.root, result, code))
     elif not (result.declined and interactive()):  # the prompt already showed the plan
-        from ..render_sources import render_run
-
-        # A row per deployment (or engine) on a terminal (every entry with -v), a row per entry elsewhere.
-        render_run(out, result.report, verbose=run.verbose > 0, grouped=out.terminal)
+        _show(out, run, result)
     if not out.terminal and not result.dry_run:
-        from ..render_sources import log_run
-
-        log_run(result.report)  # cron sends stdout to /dev/null: problems and the summary go to stderr
+        _log(result)  # cron sends stdout to /dev/null: problems and the summary go to stderr
     _closing_lines(out, run, result, min_age, json_out=json_out, names=names)
     return code

@@ -35,7 +35,8 @@ ROOMS: dict[str, set[str]] = {
     "clean": {"base", "state", "clean"},
     "gpu": {"base", "state", "clean", "gpu"},
     "in_engine": {"base", "state", "clean", "in_engine"},
-    "ops": {"base", "state", "clean", "gpu", "ops"},
+    "places": {"base", "state", "clean", "places"},
+    "ops": {"base", "state", "clean", "gpu", "places", "ops"},
 }
 # Outside the node layer: package -> what of kvcached it may import (the node layer only through its face).
 OUTSIDE: dict[str, tuple[str, ...]] = {

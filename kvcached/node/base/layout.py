@@ -46,6 +46,10 @@ class Layout:
 
     root: str = "/"
     seen_root: str | None = None
+    # One place of the node judged on its own (kvcached.node.places): its /dev/shm or /tmp given as a
+    # directory reached from here, "" for the one the place does not have (a place is one filesystem).
+    shm: str | None = None
+    tmp: str | None = None
 
     @classmethod
     def for_pid(cls, pid: int, proc_root: str = "/proc") -> Layout:
@@ -54,11 +58,11 @@ class Layout:
 
     @property
     def tmp_dir(self) -> str:
-        return _join(self.root, "tmp")
+        return _join(self.root, "tmp") if self.tmp is None else self.tmp
 
     @property
     def shm_dir(self) -> str:
-        return _join(self.root, "dev/shm")
+        return _join(self.root, "dev/shm") if self.shm is None else self.shm
 
     def segment_path(self, name: str) -> str:
         """/dev/shm/<name>."""

@@ -10,17 +10,18 @@ _OCTAL = re.compile(r"\\([0-7]{3})")
 
 
 class Mount(NamedTuple):
-    """One mount: where, which filesystem, and its superblock options (hidepid=, size=, ...)."""
+    """One mount: where, which filesystem, its superblock options (hidepid=, size=, ...), and its device."""
 
     point: str
     fstype: str
     options: str
+    dev: int = 0  # the st_dev of the files on it (the "major:minor" field; tmpfs: an anonymous device)
 
 
-def read_mountinfo(proc_root: str = "/proc") -> list[Mount] | None:
-    """Every mount this process sees; None when the table cannot be read."""
+def read_mountinfo(proc_root: str = "/proc", pid: int | str = "self") -> list[Mount] | None:
+    """Every mount process `pid` sees (its mount namespace, points as its root shows them); None: unreadable."""
     try:
-        with open(f"{proc_root}/self/mountinfo", "rb") as f:
+        with open(f"{proc_root}/{pid}/mountinfo", "rb") as f:
             text = f.read().decode(errors="replace")
     except OSError:
         return None
@@ -33,7 +34,12 @@ def read_mountinfo(proc_root: str = "/proc") -> list[Mount] | None:
         # Spaces, tabs and backslashes in a mount point are written as octal escapes.
         point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
         fstype, _, options = (post.split() + ["", "", ""])[:3]
-        out.append(Mount(point, fstype, options))
+        major, _, minor = fields[2].partition(":")
+        try:
+            dev = os.makedev(int(major), int(minor))
+        except ValueError:
+            dev = 0
+        out.append(Mount(point, fstype, options, dev))
     return out
 
 

@@ -36,9 +36,11 @@ gc on a node with nothing to judge, which makes an empty one) imports no
 scan, /proc pass or decision:
 
 - `Origin(source, family)`: where an entry came from; kvcached's entries all
-  share `KVCACHED`, an engine entry's names its family. A later field (a
-  place in a pod: mount namespace, pod volume) goes here, None meaning this
-  node's own /tmp and /dev/shm.
+  share `KVCACHED`, an engine entry's names its family. `place` (kvctl -A,
+  kvcached/node/places: a mount namespace, a pod volume, a sandbox shm) is
+  where the entry is, None meaning this node's own /tmp and /dev/shm; a
+  candidate carries it, and each place's plans are acted on into a report of
+  their own (places/run.py).
 - `Decision(state, reason, detail, pids)`: the one decision type; `reason`
   is the source's own vocabulary (decide.Reason, engines.decide.EngineReason),
   which the JSON schemas list per entry type.
@@ -87,11 +89,21 @@ class Family(Protocol):
     def what(self) -> str: ...
 
 
+class Place(Protocol):
+    """What an origin reads of a place of the node (places/discover.Place)."""
+
+    @property
+    def label(self) -> str: ...
+    def to_dict(self) -> dict[str, object]: ...
+
+
 class Origin(NamedTuple):
-    """Where an entry came from: its source and, for an engine's leftover, the family whose name it carries."""
+    """Where an entry came from: its source, for an engine's leftover the family whose name it carries, and
+    with kvctl -A the place it is in (None: this node's own /tmp and /dev/shm)."""
 
     source: Source
     family: Family | None = None
+    place: Place | None = None
 
     @property
     def engine(self) -> Engine | None:

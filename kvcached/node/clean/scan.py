@@ -23,7 +23,7 @@ from ..state.lease import ofd_conflict
 from ..state.segment import SEGMENT_SIZE, has_mark, peek_limit
 from ..state.sockdiag import Bind, BindProbe
 from .facts import Facts
-from .report import KVCACHED, Origin
+from .report import KVCACHED, Origin, Source
 
 
 class FileType(StrEnum):
@@ -76,11 +76,12 @@ class Candidate(NamedTuple):
     bind: Bind | None = None       # bind test of a socket node no listing shows (None: not tested)
     bind_errno: str | None = None
     by_shape: bool = False         # a segment found only by its shape: nothing names it
+    place: Any = None              # kvctl -A: the place it is in (places/discover.Place); None: the node's own
 
     @property
     def origin(self) -> Origin:
-        """Where it came from: kvcached's own state, on this node's own /tmp and /dev/shm."""
-        return KVCACHED
+        """Where it came from: kvcached's own state, on this node's own /tmp and /dev/shm or in `place`."""
+        return KVCACHED if self.place is None else Origin(Source.KVCACHED, None, self.place)
 
     def walk(self) -> list[Candidate]:
         """This candidate and every candidate below it, children first.
@@ -125,7 +126,7 @@ def socket_candidate(path: str, name: str, deployment: str, st: os.stat_result, 
                      bind_errno: str | None) -> Candidate:
     """The candidate of one socket node in a socket directory: what `candidate_from_stat` builds, positionally.
 
-    A full node has eight of these per deployment, and building a 23-field
+    A full node has eight of these per deployment, and building a 24-field
     NamedTuple by keyword cost several times building it from a tuple (bench/bench_gc.py's
     scan share; bench/README.md); tests/fs/test_scan.py checks that both build the same value.
     """
@@ -133,7 +134,7 @@ def socket_candidate(path: str, name: str, deployment: str, st: os.stat_result, 
     ftype = _FILE_TYPES.get(stat.S_IFMT(mode), FileType.OTHER)
     return _new_tuple(Candidate, (Kind.SOCKET, path, name, deployment, ftype, (st.st_dev, st.st_ino), st.st_uid,
                                   stat.S_IMODE(mode), st.st_nlink, st.st_size, st.st_mtime, rank, stage, handle,
-                                  True, parent_uid, False, (), (), lease, bind, bind_errno, False))
+                                  True, parent_uid, False, (), (), lease, bind, bind_errno, False, None))
 
 
 class _Observer:

@@ -77,6 +77,8 @@ class Context:
     python: str = sys.executable
     timeout: float = 180.0  # detect imports every installed engine (two of them: over a minute on a busy node)
     kvctl: str = "kvctl"  # the command fixes name, with the run's options (`kvctl --root DIR`)
+    all_places: bool = False  # doctor -A: the `pods` check looks in every place (kvcached.node.places)
+    kubelet_dir: str | None = None
     host: HostConfig | None = None  # where the host's configuration is read; None: under the layout's root
 
     @property
@@ -685,6 +687,30 @@ def _hazard_lines(name: str, label: str, hazard: Hazard, processes: Iterable[_Pr
     return [CheckResult(line, Group.ENGINE, Status.SKIP, hazard.summary + note, under=name)]
 
 
+def check_pods(ctx: Context) -> list[CheckResult]:
+    """With -A: warn for each place other than the host's whose dead leftovers `kvctl gc -A --engines` removes."""
+    g = Group.NODE
+    if not ctx.all_places:
+        return _r("pods", g, Status.SKIP, "the pods' volumes and containers' shm were not looked at (run with -A)")
+    from ..base.units import format_size
+    from ..places.doctor import dead_places
+
+    dead, n, errors = dead_places(ctx.layout, ctx.policy, ctx.plan.facts, host_plan=ctx.plan,
+                                  kubelet_dir=ctx.kubelet_dir, proc_root=ctx.proc_root)
+    out: list[CheckResult] = []
+    for d in dead:
+        out += _r("pods", g, Status.WARN,
+                  f"{d.place.label}: {entries(d.entries, 'dead')} holding {format_size(d.bytes)}; the next start "
+                  "there may fail on a full /dev/shm",
+                  f"{ctx.kvctl} gc -A --engines --yes (removes only what is provably dead)",
+                  place=d.place.to_dict(), stale_entries=d.entries, stale_bytes=d.bytes)
+    if out:
+        return out
+    unread = f"; could not read: {'; '.join(errors[:3])}" if errors else ""
+    return _r("pods", g, Status.OK, f"{n} place(s) besides the host's, none with dead leftovers{unread}",
+              places=n, errors=errors)
+
+
 CHECKS: tuple[Check, ...] = (
     Check("shm", Group.ENVIRONMENT, "/dev/shm present, on tmpfs, with free space and inodes", check_shm),
     Check("tmp", Group.ENVIRONMENT, "/tmp sticky when world-writable", check_tmp),
@@ -707,6 +733,7 @@ CHECKS: tuple[Check, ...] = (
     Check("namespaces", Group.NODE, "deployments in other mount namespaces", check_namespaces),
     Check("engine-leftovers", Group.NODE, "what the engines, NCCL and CUDA IPC left that is provably dead",
           check_engine_leftovers),
+    Check("pods", Group.NODE, "with -A: pod volumes and containers' shm holding dead leftovers", check_pods),
     Check("engines", Group.ENGINE, "installed engines, as their integrations report them: kvcached's plugin and "
           "patches, the engines' leak conditions, shapes not covered", check_engines),
 )

@@ -76,6 +76,8 @@ class GcOptions:
     engines: bool = False              # also the engines' own leftovers (vLLM, SGLang, NCCL, CUDA)
     engine_kinds: Sequence[EngineKind] = ()  # `--kind` values of engine leftovers: only these (implies engines)
     rpc_dirs: Sequence[str] | None = None    # vLLM's RPC directories besides /tmp; None: VLLM_RPC_BASE_PATH
+    all_places: bool = False           # -A: every place of the node, pods included (kvcached.node.places)
+    kubelet_dir: str | None = None     # where -A finds the pods' volumes; None: KVCTL_KUBELET_DIR
 
     @property
     def engine_pass(self) -> bool:
@@ -99,12 +101,15 @@ class GcResult:
     killable: set[int] = field(default_factory=set)     # orphan pids kvctl may terminate
     killed: list[Any] = field(default_factory=list)     # orphans.KillResult
     declined: bool = False             # stale entries remain because nobody confirmed
+    places: list[Any] | None = None    # -A: each place's PlaceResult but the host's, whose entries are `report`'s
+    place_errors: list[str] = field(default_factory=list)  # -A: what could not be read while finding places
     sight: Sight | None = None         # what the run could not see (sight.py): blind when it has reasons
     gpu: Any = None                    # gpu.GpuReport: the GPU holders, when the run judged engines
 
 
 # (the run's plans acted on as a dry run) -> remove?; None: nobody to ask (cron), so do not remove.
-Confirm = Callable[[Report], bool]
+# gc -A passes every other place's dry run too, as the keyword `places` (places.run.PlaceResult each).
+Confirm = Callable[..., bool]
 ConfirmKill = Callable[[list[Any]], bool]
 
 
@@ -142,11 +147,11 @@ def _orphans(p: Plan) -> tuple[list[Any], set[int], list[Any]]:
     return view.orphans, {o.pid for _, o in targets}, targets
 
 
-def outcome_of(report: Report, killed: Sequence[Any] = ()) -> Outcome:
-    """Failures first (of any source's entries, or a kill), then stale entries left, else clean."""
-    if report.failures or any(k.outcome is KillOutcome.FAILED for k in killed):
+def outcome_of(report: Report, killed: Sequence[Any] = (), places: Sequence[Any] = ()) -> Outcome:
+    """Failures first (of any source's entries, a kill, or -A: any place's), then stale entries left, else clean."""
+    if report.failures or any(k.outcome is KillOutcome.FAILED for k in killed) or any(r.failed for r in places):
         return Outcome.PARTIAL_FAILURE
-    if report.stale_remaining:
+    if report.stale_remaining or any(r.stale_left for r in places):
         return Outcome.STALE_REMAIN
     return Outcome.CLEAN
 
@@ -187,7 +192,7 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
             raise
     try:
         # Engine leftovers may sit where no kvcached name does (vLLM's sockets in /tmp): no shortcut then.
-        if opts.engine_pass or may_hold_state(opts.layout.root):
+        if opts.engine_pass or opts.all_places or may_hold_state(opts.layout.root):
             result = _judge_and_act(opts, started, confirm, confirm_kill, progress, confirm_gpu_kill)
         elif opts.names:
             raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
@@ -208,7 +213,7 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
                              success=result.outcome is Outcome.CLEAN and not result.dry_run,
                              orphans=len(result.orphans), started=wall_start,
                              sink=opts.metrics_sink, blind=result.sight is not None and result.sight.blind,
-                             gpu=result.gpu)
+                             gpu=result.gpu, places=result.places)
     return result
 
 
@@ -226,9 +231,21 @@ def _engine_plan(opts: GcOptions, p: Plan) -> EnginePlan:
                         proc_root=opts.proc_root)
 
 
-def _any_stale(plans: Sequence[SourcePlan]) -> bool:
-    """Whether the plans would remove anything."""
-    return any(d.state is State.STALE for p in plans for _, d in p.entries())
+def _any_stale(plans: Sequence[SourcePlan], pp: Any = None) -> bool:
+    """Whether the plans would remove anything (-A: in any place)."""
+    return any(d.state is State.STALE for p in plans for _, d in p.entries()) or (pp is not None and pp.any_stale())
+
+
+def _ask(confirm: Confirm, plans: Sequence[SourcePlan], pp: Any) -> bool:
+    """The operator's word on the plans, shown as the same plans run dry (-A: every other place's as `places`)."""
+    from ..clean.cleanup import execute
+
+    preview = execute(*plans, dry_run=True)
+    if pp is None:
+        return confirm(preview)
+    from ..places.run import execute_places
+
+    return confirm(preview, places=execute_places(pp, dry_run=True, skip_host=True))
 
 
 def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, confirm_kill: ConfirmKill | None,
@@ -237,7 +254,7 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
     from ..clean.cleanup import execute
 
     p = _kvcached_plan(opts)
-    if opts.names and not p.matched:
+    if opts.names and not p.matched and not opts.all_places:  # -A: the names may match in another place (below)
         raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
     orphans, killable, targets = _orphans(p)
     killed: list[Any] = []
@@ -259,7 +276,10 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
         from ..gpu import prepare
 
         prepare(p.facts)  # the engine pass's one read of the maps also finds GPU mappings
-    ep = _engine_plan(opts, p) if opts.engine_pass else None
+    pp = _places_plan(opts, p) if opts.all_places else None
+    if pp is not None and opts.names and not any(x.plan is not None and x.plan.matched for x in pp.plans):
+        raise NoMatch(f"no deployment matches {' '.join(opts.names)} in any place of the node")
+    ep = _host_engines(opts, p, pp)
     if opts.engine_pass:
         from ..gpu.gcstep import gpu_step
 
@@ -268,22 +288,45 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
         if ended:  # what they held (their /dev/shm buffers) is judged again without them
             killed += ended
             p = _kvcached_plan(opts)
-            ep = _engine_plan(opts, p)
+            pp = _places_plan(opts, p) if opts.all_places else None
+            ep = _host_engines(opts, p, pp)
     plans: list[SourcePlan] = [p] if ep is None else [p, ep]
     dry = opts.dry_run
     declined = False
     # Only a question needs to know whether anything is stale: a dry run and --yes skip the pass over every entry.
-    if not dry and not opts.yes and _any_stale(plans):
-        # The operator's word on the plans, shown as the same plans run dry.
-        dry = confirm is None or not confirm(execute(*plans, dry_run=True))
+    if not dry and not opts.yes and _any_stale(plans, pp):
+        dry = confirm is None or not _ask(confirm, plans, pp)
         declined = dry
 
     report = execute(*plans, dry_run=dry, time_limit=left(), progress=progress)
+    places = None
+    if pp is not None:
+        from ..places.run import execute_places
+
+        places = execute_places(pp, dry_run=dry, deadline=left, progress=progress, skip_host=True)
     from ..clean.sight import assess
 
-    return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed), orphans=orphans,
-                    killable=killable, killed=killed, declined=declined, sight=assess(opts.proc_root, p.facts),
+    return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed, places or ()), orphans=orphans,
+                    killable=killable, killed=killed, declined=declined, places=places,
+                    place_errors=list(pp.errors) if pp is not None else [], sight=assess(opts.proc_root, p.facts),
                     gpu=gpu)
+
+
+def _host_engines(opts: GcOptions, p: Plan, pp: Any) -> EnginePlan | None:
+    """The host's engine plan: -A's host place's (one evidence pass for every place), else its own."""
+    if pp is not None:
+        return pp.host.engines
+    return _engine_plan(opts, p) if opts.engine_pass else None
+
+
+def _places_plan(opts: GcOptions, p: Plan) -> Any:
+    """-A: every place's plan from the host plan's facts (the host's kvcached plan is `p` itself)."""
+    from ..places.run import plan_places
+
+    dirs = rpc_dirs(opts.layout.root) if opts.rpc_dirs is None else tuple(opts.rpc_dirs)
+    return plan_places(opts.layout, p.policy, p.facts, kvcached=opts.kvcached_pass, engines=opts.engine_pass,
+                       engine_kinds=opts.engine_kinds, rpc_dirs=dirs, kubelet_dir=opts.kubelet_dir, host_plan=p,
+                       now=p.now, proc_root=opts.proc_root, names=opts.names, kinds=opts.kinds)
 
 
 def _refuse_engine_name(name: str) -> None:

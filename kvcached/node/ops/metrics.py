@@ -11,12 +11,15 @@ import os
 import re
 import stat
 import tempfile
-from collections.abc import Iterable
-from typing import Any, Protocol
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..base.enums import Action, Engine, Kind, State
 from ..base.errors import KvcachedError
 from ..clean.report import Report, Source
+
+if TYPE_CHECKING:  # -A's places are imported only by runs that judge them
+    from ..places.run import PlaceResult
 
 PREFIX = "kvctl_gc"
 _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -85,14 +88,17 @@ def _metric(lines: list[str], name: str, kind: str, help_: str, samples: Samples
 
 
 def render(report: Report, *, success: bool, orphans: int = 0, last_success: float | None = None,
-           started: float | None = None, blind: bool | None = None) -> str:
+           started: float | None = None, blind: bool | None = None,
+           places: Sequence[PlaceResult] | None = None) -> str:
     """The textfile body for one run; `started` (default: the report's) times the whole run.
 
     The entry metrics count kvcached's part of the report; a run that also
     judged the engines' leftovers adds their counts and bytes by engine and
     state (render_engines). Failures and the time limit are the whole run's. `blind`:
     whether the run could not see every process (sight.py); None writes no
-    `kvctl_gc_blind` (a caller that did not ask).
+    `kvctl_gc_blind` (a caller that did not ask). With `places` (gc -A:
+    every place but the host's), what is left by place kind (render_places);
+    the counts above stay the host's.
     """
     lines: list[str] = []
     whole = report
@@ -128,6 +134,46 @@ def render(report: Report, *, success: bool, orphans: int = 0, last_success: flo
     engines = whole.part(Source.ENGINES)
     if engines is not None:
         lines.append(render_engines(engines).rstrip("\n"))
+    if places is not None:
+        lines.append(render_places(whole, places).rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+def render_places(report: Report, places: Sequence[PlaceResult]) -> str:
+    """gc -A's metrics: places found, stale entries and bytes left by place kind, and the worst place's bytes.
+
+    `report` is the host's (every source), `places` every other place's. By
+    kind, not by pod: a label per pod would be a series per pod that ever
+    lived; kvctl_gc_engine_stale_bytes_max_place lets one alert catch the pod
+    whose volume is filling (`kvctl inspect -A` names it).
+    """
+    from ..places.discover import PlaceKind
+
+    found = {k: 0 for k in PlaceKind}
+    entries = {k: 0 for k in PlaceKind}
+    held = {k: 0 for k in PlaceKind}
+    found[PlaceKind.HOST] = 1
+    left = report.stale_remaining
+    entries[PlaceKind.HOST], held[PlaceKind.HOST] = len(left), sum(e.bytes for e in left)
+    worst = 0
+    for r in places:
+        left = r.report.stale_remaining if r.report is not None else []
+        here = sum(e.bytes for e in left)
+        found[r.place.kind] += 1
+        entries[r.place.kind] += len(left)
+        held[r.place.kind] += here
+        worst = max(worst, here)
+    lines: list[str] = []
+    _metric(lines, "places", "gauge", "Places the last run judged (gc -A), by kind.",
+            [({"place_kind": str(k)}, n) for k, n in found.items()])
+    _metric(lines, "place_stale_entries", "gauge", "Stale entries left after the last run, by place kind.",
+            [({"place_kind": str(k)}, n) for k, n in entries.items()])
+    _metric(lines, "place_stale_bytes", "gauge",
+            "Bytes the stale engine leftovers left after the last run hold, by place kind.",
+            [({"place_kind": str(k)}, n) for k, n in held.items()])
+    _metric(lines, "engine_stale_bytes_max_place", "gauge",
+            "The most bytes stale engine leftovers left after the last run hold in one place other than the host's.",
+            [({}, worst)])
     return "\n".join(lines) + "\n"
 
 
@@ -226,12 +272,13 @@ def _put(path: str | None, sink: Sink | None, body: str) -> None:
 
 def write_report(path: str | None, report: Report, *, success: bool, orphans: int = 0,
                  started: float | None = None, sink: Sink | None = None,
-                 blind: bool | None = None, gpu: Any = None) -> None:
+                 blind: bool | None = None, gpu: Any = None, places: Sequence[PlaceResult] | None = None) -> None:
     """Render one run's metrics to the textfile `path` and/or `sink`, keeping the last success of failed runs.
 
     `gpu` (a gpu.GpuReport, from runs that judged engines) adds the GPU holders' metrics."""
     last = _value_in(_previous_text(path, sink), f"{PREFIX}_last_success_timestamp_seconds")
-    body = render(report, success=success, orphans=orphans, last_success=last, started=started, blind=blind)
+    body = render(report, success=success, orphans=orphans, last_success=last, started=started, blind=blind,
+                  places=places)
     if gpu is not None:
         from ..gpu.metrics import render_gpu
 

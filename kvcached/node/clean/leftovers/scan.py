@@ -12,7 +12,7 @@ import os
 import stat
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ...base import name_rules
 from ...base.ident import file_handle
@@ -48,6 +48,7 @@ class EngineCandidate(NamedTuple):
     group: str | None = None
     bind: Bind | None = None   # the bind test of a socket node (None: not tested)
     bind_errno: str | None = None
+    place: Any = None          # kvctl -A: the place it is in (places/discover.Place); None: the node's own
 
     @property
     def kind(self) -> EngineKind:
@@ -55,8 +56,8 @@ class EngineCandidate(NamedTuple):
 
     @property
     def origin(self) -> Origin:
-        """Where it came from: the engine family whose name it carries."""
-        return self.family.origin
+        """Where it came from: the engine family whose name it carries (and, with -A, its place)."""
+        return self.family.origin if self.place is None else self.family.origin._replace(place=self.place)
 
     @property
     def engine(self) -> Engine:
@@ -87,8 +88,8 @@ def _candidate(fam: Family, creator: int | None, group: str | None, path: str, n
         cross_mount=st.st_dev != pst.st_dev, handle=handle, creator_pid=creator, group=group)
 
 
-def _entries(directory: str, where: Where, errors: list[str],
-             seen: set[tuple[int, int]]) -> Iterator[tuple[int, os.stat_result, str, os.stat_result, Family,
+def _entries(directory: str, where: Where, errors: list[str], seen: set[tuple[int, int]],
+             dev: int | None = None) -> Iterator[tuple[int, os.stat_result, str, os.stat_result, Family,
                                                           int | None, str | None]]:
     """(dir fd, dir stat, name, lstat, family, creator pid, group) for each matching entry of `directory`."""
     try:
@@ -101,6 +102,11 @@ def _entries(directory: str, where: Where, errors: list[str],
         return
     try:
         pst = os.fstat(fd)
+        if dev is not None and pst.st_dev != dev:
+            # A place is judged on its own filesystem's evidence: another one reached through its path (a link
+            # swapped in on the way, a remount) is not the place that was found.
+            errors.append(f"{directory}: no longer the filesystem found there; not judged")
+            return
         if (pst.st_dev, pst.st_ino) in seen:
             return  # the same directory under two names (VLLM_RPC_BASE_PATH=/tmp)
         seen.add((pst.st_dev, pst.st_ino))
@@ -145,7 +151,7 @@ def _kvcached_segment(name: str, fd: int, st: os.stat_result, kvcached: Collecti
 
 
 def scan_engine_state(layout: Layout, facts: Facts | None = None, rpc_dirs: Iterable[str] = (),
-                      kvcached: Collection[str] | None = None) -> EngineScan:
+                      kvcached: Collection[str] | None = None, dev: int | None = None) -> EngineScan:
     """Every entry of /dev/shm and of the RPC directories (/tmp, then `rpc_dirs`) whose name is an engine family's.
 
     In /dev/shm every matching name is a candidate, whatever its type (a wrong
@@ -156,19 +162,21 @@ def scan_engine_state(layout: Layout, facts: Facts | None = None, rpc_dirs: Iter
     by tempfile (tmp + 8) are made by many programs and are no engine's (an
     empty tmp* file SGLang made but zmq never bound carries no evidence
     either: a name only). With `facts`, a socket node
-    that no listing shows gets the passive bind test.
+    that no listing shows gets the passive bind test. `dev`: every directory
+    must be on that filesystem (one place of the node, kvcached.node.places),
+    or it is not listed.
     """
     out = EngineScan()
     ours = kvcached_names(layout, facts) if kvcached is None else kvcached
     shm = layout.shm_dir
-    for fd, pst, name, st, fam, creator, group in _entries(shm, Where.SHM, out.errors, set()):
+    for fd, pst, name, st, fam, creator, group in _entries(shm, Where.SHM, out.errors, set(), dev):
         if _kvcached_segment(name, fd, st, ours):
             continue
         out.candidates.append(_candidate(fam, creator, group, os.path.join(shm, name), name, shm, pst, st,
                                          file_handle(name, fd)))
     seen: set[tuple[int, int]] = set()
     for directory in (layout.tmp_dir, *rpc_dirs):
-        for fd, pst, name, st, fam, creator, group in _entries(directory, Where.RPC, out.errors, seen):
+        for fd, pst, name, st, fam, creator, group in _entries(directory, Where.RPC, out.errors, seen, dev):
             if not (stat.S_ISSOCK(st.st_mode) or stat.S_ISLNK(st.st_mode)):
                 continue
             c = _candidate(fam, creator, group, os.path.join(directory, name), name, directory, pst, st,

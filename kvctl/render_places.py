@@ -1,0 +1,100 @@
+"""kvctl -A's text: the host first, then each pod, container or volume, under a heading that names it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .render import Out, render_view
+
+
+def _heading(out: Out, place: Any, stale_bytes: int, stale: int) -> None:
+    from kvcached.node import format_size
+
+    dead = f": {stale} stale" if stale else ""
+    if stale_bytes:
+        dead += f", {format_size(stale_bytes)} held by dead engine leftovers"
+    out.line((f"== {place.label}", "bold"), dead)
+
+
+def _with_all(hint: Callable[[str], str]) -> Callable[[str], str]:
+    """The hints name the command that reaches the place: -A for every place but the host's."""
+    return lambda c: hint(c.replace("gc ", "gc -A ", 1) if c.startswith("gc ") else c)
+
+
+def render_places_view(out: Out, places: Sequence[Any], *, now: float, hint: Callable[[str], str]) -> None:
+    """inspect -A: each place (places.run.PlaceView), its deployments and engine leftovers, what could not be read."""
+    from .render_sources import render_engine_view
+
+    for i, pv in enumerate(places):
+        if i:
+            out.blank()
+        d = pv.to_dict()
+        _heading(out, pv.place, d["stale_bytes"], d["stale_entries"])
+        here = hint if pv.place.is_host else _with_all(hint)
+        if pv.view is not None and (pv.place.is_host or pv.view.deployments or pv.view.unowned):
+            render_view(out, pv.view, now=now, hint=here)
+        if pv.engines:
+            out.blank()
+            render_engine_view(out, pv.engines, hint=here)
+        for err in pv.errors:
+            out.line(("could not read: ", "yellow"), err)
+    found = len(places) - 1
+    out.blank()
+    out.line(f"{found} place{'' if found == 1 else 's'} besides the host's")
+
+
+def render_places_report(out: Out, result: Any, *, verbose: bool, terminal: bool) -> None:
+    """gc -A: the host's report, then each other place's (kvcached's entries, then the engines')."""
+    from kvcached.node import HOST_PLACE, PlaceResult
+
+    from .render_sources import render_run
+
+    for i, r in enumerate([PlaceResult(HOST_PLACE, result.report), *(result.places or ())]):
+        if i:
+            out.blank()
+        d = r.to_dict()
+        _heading(out, r.place, d["stale_bytes"], d["stale_entries"])
+        if r.report is not None and (r.place.is_host or r.report.entries):
+            render_run(out, r.report, verbose=verbose, grouped=terminal)
+    for err in result.place_errors:
+        out.line(("could not read: ", "yellow"), err)
+
+
+def render_places_preview(out: Out, places: Sequence[Any], *, verbose: bool) -> None:
+    """gc -A's question: what each other place's dry run would remove, under its heading."""
+    from .render_sources import render_run
+
+    for r in places:
+        if r.report is None or not r.report.entries:
+            continue
+        out.blank()
+        d = r.to_dict()
+        _heading(out, r.place, d["stale_bytes"], d["stale_entries"])
+        render_run(out, r.report, verbose=verbose, grouped=True)
+
+
+def places_summary_line(result: Any) -> str:
+    """`places: 6 besides the host's, removed 7 (260K) in 4`: gc -A's other places in one line (--every)."""
+    from kvcached.node import Action, format_size
+
+    gone = Action.WOULD_REMOVE if result.dry_run else Action.REMOVED
+    places = result.places or ()
+    n = acted = held = 0
+    for r in places:
+        here = r.report.count(action=gone) if r.report is not None else 0
+        n += here
+        acted += bool(here)
+        held += r.report.bytes(action=gone) if r.report is not None else 0
+    verb = "would remove" if result.dry_run else "removed"
+    return f"places: {len(places)} besides the host's, {verb} {n}" + (
+        f" ({format_size(held)}) in {acted}" if n else "")
+
+
+def log_places(result: Any) -> None:
+    """What cron must see of gc -A's other places: each one's failures and summary, where it had entries."""
+    from .render_sources import log_run
+
+    for r in result.places or ():
+        if r.report is not None and r.report.entries:
+            log_run(r.report, f"kvctl gc -A [{r.place.label}]")
