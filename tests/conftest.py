@@ -115,9 +115,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     A file is a unit, so a module's tests share its module fixtures (its
     serves, started once). tests/sglang as a whole is one: its tests share
     the zygote and the in-process SGLang import (20 CPU seconds each, per
-    worker that would start them). Another `--dist` is xdist's own.
+    worker that would start them). A bare `-n 2` (xdist's `load`, which
+    would split a file, and run the NODE_WIDE files beside a test whose
+    GPU stand-ins they would see) gets the same; another `--dist` is xdist's own.
     """
-    if config.getvalue("dist") != "loadfile":
+    if config.getvalue("dist") not in ("loadfile", "load"):
         return None
     from xdist.scheduler import LoadFileScheduling
 

@@ -86,22 +86,55 @@ class Standins:
             if not n.startswith("."):
                 self.pids(n)
         for pid, started in self.seen.values():
-            if started and process_start_time(pid) == started:
-                try:
-                    fd = os.pidfd_open(pid)
-                except OSError:
-                    continue
-                try:
-                    if process_start_time(pid) == started:  # the pidfd names it now: no newcomer is hit
-                        signal.pidfd_send_signal(fd, signal.SIGKILL)
-                finally:
-                    os.close(fd)
+            _kill(pid, started)
         for p in self.procs:
             p.kill()
             p.wait(timeout=10)
+        # A stand-in still starting (its parent was killed before it wrote its ready file) is in no list: each
+        # carries this test's ready directory in its command line, so every one is found, until none is left.
+        wait_for(lambda: not self._kill_unlisted(), timeout=20, explain=lambda: self._unlisted())
         # Orphans are reaped by init (or a subreaper): wait until none of ours is left, zombies included.
         wait_for(lambda: all(_gone(pid, started) for pid, started in self.seen.values()), timeout=20,
                  explain=lambda: {n: p for n, (p, s) in self.seen.items() if not _gone(p, s)})
+
+
+    def _unlisted(self) -> dict[int, float]:
+        mark = os.fsencode(self.ready)
+        out: dict[int, float] = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if mark not in f.read():
+                        continue
+            except OSError:
+                continue
+            if (started := process_start_time(int(name))) is not None:
+                out[int(name)] = started
+        return out
+
+    def _kill_unlisted(self) -> bool:
+        """SIGKILL every stand-in of this test still running; whether there was one."""
+        found = self._unlisted()
+        for pid, started in found.items():
+            self.seen.setdefault(f"unlisted-{pid}", (pid, started))
+            _kill(pid, started)
+        return bool(found)
+
+
+def _kill(pid: int, started: float) -> None:
+    if not started or process_start_time(pid) != started:
+        return
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        if process_start_time(pid) == started:  # the pidfd names it now: no newcomer is hit
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+    finally:
+        os.close(fd)
 
 
 def _gone(pid: int, started: float) -> bool:

@@ -29,7 +29,7 @@ DIR = Candidate(kind=Kind.DIRECTORY, path="/tmp/kvcached-tp-d-x",
 
 def proc(pid: int, start: float = OLD - 100, **kw: object) -> ProcessInfo:
     base = dict(pid=pid, start_time=start, ppid=1, pgid=pid, uid=1000, comm="python3", cmdline=("python3",),
-                ipc_name=None, socket_inodes=frozenset(), shm_files=frozenset(), mnt_ns="mnt:[1]",
+                ipc_name=None, socket_inodes=frozenset(), held_files=frozenset(), mnt_ns="mnt:[1]",
                 net_ns="net:[1]", unreadable=frozenset())
     base.update(kw)
     return ProcessInfo(**base)  # type: ignore[arg-type]
@@ -204,7 +204,7 @@ CASES = [
     (
         "segment live: held open",
         SEG,
-        facts(proc(8, shm_files=frozenset({(2, 20)}))),
+        facts(proc(8, held_files=frozenset({(2, 20)}))),
         ROOT,
         (),
         State.LIVE,

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections import defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ..base.fdstat import fd_stat
 from ..base.mounts import hidepid
 from ..base.name_rules import ENV_NAME, sanitize
 from ..state.lease import LockEntry, read_proc_locks
@@ -42,13 +44,16 @@ class ProcessInfo(NamedTuple):
     cmdline: tuple[str, ...]
     ipc_name: str | None  # sanitised KVCACHED_IPC_NAME from the environment, if readable and set
     socket_inodes: frozenset[int]
-    shm_files: frozenset[tuple[int, int]]  # (st_dev, st_ino) of /dev/shm files held open
+    # (st_dev, st_ino) of every file it holds open but its sockets: whatever path it was opened by, in any
+    # mount namespace (a segment's evidence of life compares identities, never paths)
+    held_files: frozenset[tuple[int, int]]
     mnt_ns: str | None
     net_ns: str | None
     unreadable: frozenset[str]  # which of environ / fd / ns could not be read (maps: Facts.unreadable_pids)
-    # (fd, target) of each descriptor naming a path outside /dev/shm: what the GPU-holder pass stats
-    # (kvcached/node/gpu/holders.py), so that it lists no fd directory again
-    paths: tuple[tuple[str, str], ...] = ()
+    # (fd, st_rdev, st_dev, st_ino) of each character device it holds open: what the GPU-holder pass judges
+    # (kvcached/node/gpu/holders.py), so that it lists and stats no fd directory again
+    char_devices: tuple[tuple[str, int, int, int], ...] = ()
+    proc_state: str = ""  # /proc/<pid>/stat's letter when read: D uninterruptible sleep, T stopped, R, S...
 
     @property
     def complete(self) -> bool:
@@ -123,7 +128,7 @@ class Facts:
                 idx.pgid[p.pgid].append(p)
                 if p.ipc_name:
                     idx.name[p.ipc_name].append(p)
-                for ident in p.shm_files:
+                for ident in p.held_files:
                     idx.file[ident].append(p)
             self._index = idx
         return idx
@@ -218,40 +223,6 @@ class Facts:
         except OSError:
             pass
         return None
-
-    def fd_users(self, names: Collection[str]) -> dict[tuple[int, int], list[int]]:
-        """Files named in `names` that processes hold open where the main pass did not look (not under /dev/shm/).
-
-        The main pass records only fds whose path has /dev/shm/ in it; a file of
-        the same tmpfs opened through another mount of it is found here by its
-        name, then identified through the fd itself.
-        """
-        out: dict[tuple[int, int], list[int]] = {}
-        if not names:
-            return out
-        for pid, p in self.processes.items():
-            if "fd" in p.unreadable:
-                continue  # a blind spot already
-            fd_dir = f"{self.proc_root}/{pid}/fd"
-            try:
-                fds = os.listdir(fd_dir)
-            except OSError:
-                continue
-            for fd in fds:
-                try:
-                    target = os.readlink(f"{fd_dir}/{fd}")
-                except OSError:
-                    continue
-                if target[:1] != "/" or "/dev/shm/" in target:
-                    continue  # sockets, pipes, anon inodes; or seen by the main pass
-                if target.removesuffix(" (deleted)").rpartition("/")[2] not in names:
-                    continue
-                try:
-                    st = os.stat(f"{fd_dir}/{fd}")
-                except OSError:
-                    continue
-                out.setdefault((st.st_dev, st.st_ino), []).append(pid)
-        return out
 
     def namespace_pids(self) -> dict[int, tuple[int, ...]]:
         """Each process's PID in every PID namespace it is in, outermost first (NSpid), read on first use.
@@ -354,8 +325,8 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 PF_KTHREAD = 0x00200000
 
 
-def _parse_stat(raw: bytes, btime: float) -> tuple[str, int, int, float, bool]:
-    """(comm, ppid, pgid, start time, gone); gone for kernel threads and zombies."""
+def _parse_stat(raw: bytes, btime: float) -> tuple[str, int, int, float, bool, str]:
+    """(comm, ppid, pgid, start time, gone, state letter); gone for kernel threads and zombies."""
     # comm may contain spaces and parentheses: split at the last ')'.
     lpar, rpar = raw.index(b"("), raw.rindex(b")")
     comm = raw[lpar + 1:rpar].decode(errors="replace")
@@ -364,13 +335,13 @@ def _parse_stat(raw: bytes, btime: float) -> tuple[str, int, int, float, bool]:
     # A zombie keeps its pid and pgid until reaped but holds nothing and will never
     # serve again: counting it would keep a dead group "alive".
     gone = bool(flags & PF_KTHREAD) or state in (b"Z", b"X", b"x")
-    return comm, ppid, pgid, btime + start_ticks / _CLK_TCK, gone
+    return comm, ppid, pgid, btime + start_ticks / _CLK_TCK, gone, state.decode(errors="replace")
 
 
 def process_start_time(pid: int, proc_root: str = "/proc") -> float | None:
     """The start time `gather_facts` records for `pid` (same clock, same rounding); None when gone."""
     try:
-        _, _, _, start, gone = _parse_stat(_read(f"{proc_root}/{pid}/stat"), _boot_time(proc_root))
+        _, _, _, start, gone, _ = _parse_stat(_read(f"{proc_root}/{pid}/stat"), _boot_time(proc_root))
     except (OSError, ValueError, IndexError):
         return None
     return None if gone else start
@@ -450,34 +421,33 @@ def _status_nspids(raw: bytes, pid: int) -> tuple[int, ...]:
         return (pid,)
 
 
-def _scan_fds(fd_dir: str, shm_files: set[tuple[int, int]], sockets: set[int],
-              paths: list[tuple[str, str]]) -> None:
-    for fd in os.listdir(fd_dir):
-        try:
-            target = os.readlink(f"{fd_dir}/{fd}")
-        except PermissionError:
-            # Root without CAP_SYS_PTRACE may list another user's fd directory (DAC override) but not read
-            # a link in it: the process is unread, not empty.
-            raise
-        except OSError:
-            continue  # closed between listdir and readlink
-        if target.startswith("socket:["):
-            sockets.add(int(target[8:-1]))
-        elif "/dev/shm/" not in target:
-            if target[:1] == "/":
-                paths.append((fd, target))  # a device node may sit at any path: only its number tells
-        else:  # also under a --root test tree
-            try:
-                st = os.stat(f"{fd_dir}/{fd}")  # through the fd: the open file, not the path
-            except OSError:
+def _scan_fds(fd_dir: str, held: set[tuple[int, int]], sockets: set[int],
+              chars: list[tuple[str, int, int, int]]) -> None:
+    dir_fd = os.open(fd_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for fd in os.listdir(dir_fd):
+            # Raises PermissionError: root without CAP_SYS_PTRACE may list another user's fd directory (DAC
+            # override) but not follow a link in it; the process is unread, not empty.
+            st = fd_stat(dir_fd, fd)
+            if st is None:
+                continue  # closed between listdir and the stat
+            kind = stat.S_IFMT(st.mode)
+            if kind == stat.S_IFSOCK:
+                sockets.add(st.ino)
                 continue
-            shm_files.add((st.st_dev, st.st_ino))
+            # Every identity, not only those under a path with /dev/shm/ in it: a pod's /dev/shm, a --root tree
+            # and a renamed directory show other paths. Only a candidate's own identity is ever looked up.
+            held.add((st.dev, st.ino))
+            if kind == stat.S_IFCHR:
+                chars.append((fd, st.rdev, st.dev, st.ino))  # a device node may sit at any path: its number tells
+    finally:
+        os.close(dir_fd)
 
 
 def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
     base = f"{proc_root}/{pid}"
     try:
-        comm, ppid, pgid, start, gone = _parse_stat(_read(f"{base}/stat", whole=True), btime)
+        comm, ppid, pgid, start, gone, proc_state = _parse_stat(_read(f"{base}/stat", whole=True), btime)
         if gone:
             return None
         # One decode, then split: a NUL never continues a UTF-8 sequence, so this is the per-argument decode.
@@ -485,9 +455,9 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
     except (OSError, ValueError, IndexError):
         return None  # exited during the pass, or not a process directory
     unreadable: set[str] = set()
-    shm: set[tuple[int, int]] = set()
+    held: set[tuple[int, int]] = set()
     sockets: set[int] = set()
-    paths: list[tuple[str, str]] = []
+    chars: list[tuple[str, int, int, int]] = []
     # Straight-line reads, no helper closures: this runs once per process on the node.
     ipc_name = None
     try:
@@ -497,7 +467,7 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
             return None
         unreadable.add("environ")  # EACCES/EPERM and anything unexpected: we could not see it
     try:
-        _scan_fds(f"{base}/fd", shm, sockets, paths)
+        _scan_fds(f"{base}/fd", held, sockets, chars)
     except OSError as e:
         if _gone(e):
             return None
@@ -523,8 +493,8 @@ def _read_process(proc_root: str, pid: int, btime: float) -> ProcessInfo | None:
     except OSError:
         return None
     return ProcessInfo(pid, start, ppid, pgid, uid, comm, cmdline, ipc_name,
-                       frozenset(sockets), frozenset(shm), ns["mnt"], ns["net"], frozenset(unreadable),
-                       tuple(paths))
+                       frozenset(sockets), frozenset(held), ns["mnt"], ns["net"], frozenset(unreadable),
+                       tuple(chars), proc_state)
 
 
 def _gone(e: OSError) -> bool:

@@ -1,8 +1,8 @@
 """GPU holders: processes with a descriptor or a mapping of a GPU device, named, judged and sized.
 
-Built from the /proc pass's own reads (facts.py): the descriptors it listed
-(each one naming a path is stat'ed here, through the descriptor, for the
-device number it refers to) and the maps it reads for the engine pass (one
+Built from the /proc pass's own reads (facts.py): the character devices it
+found among the descriptors (each stat'ed there, through the descriptor, for
+the device number it refers to) and the maps it reads for the engine pass (one
 read serves both: Facts.also_map). A mapping is matched by the identity
 (st_dev, st_ino) of a device node known to be a GPU's: one some process holds
 open, or one in the device directories (/dev, /dev/dri, and a container's
@@ -113,33 +113,27 @@ class GpuReport:
 
 def _device_uses(facts: Facts, table: DeviceTable, known: dict[tuple[int, int], Device]
                  ) -> dict[int, dict[tuple[str, str], tuple[DeviceUse, str]]]:
-    """pid -> its GPU descriptors, from the paths the /proc pass listed, each stat'ed through the descriptor.
+    """pid -> its GPU descriptors, from the character devices the /proc pass stat'ed through each descriptor.
 
-    Records each GPU node's identity in `known`, so that a mapping of it is found in maps.
+    Decided by the device number; the path (a readlink, for the report) only
+    names it. Records each GPU node's identity in `known`, so that a mapping
+    of it is found in maps.
     """
     out: dict[int, dict[tuple[str, str], tuple[DeviceUse, str]]] = {}
+    named: dict[int, Device | None] = {}  # every process holds /dev/null and a tty: one lookup per number
     for pid, p in facts.processes.items():
-        if not p.paths:
-            continue
-        try:
-            dir_fd = os.open(f"{facts.proc_root}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            continue  # exited since the pass
-        try:
-            for fd, target in p.paths:
-                try:
-                    # Through the descriptor: the open file's node, whatever path or name it carries now. Relative
-                    # to the fd directory, opened once per process (the pass's costliest part is the path walk).
-                    st = os.stat(fd, dir_fd=dir_fd)
-                except OSError:
-                    continue  # closed since the pass
-                if not stat.S_ISCHR(st.st_mode) or (dev := table.device(st.st_rdev)) is None:
-                    continue
-                known[(st.st_dev, st.st_ino)] = dev
-                path = target.removesuffix(" (deleted)")
-                out.setdefault(pid, {}).setdefault((dev.name, path), (DeviceUse(dev, path, "fd"), fd))
-        finally:
-            os.close(dir_fd)
+        for fd, rdev, st_dev, st_ino in p.char_devices:
+            if rdev not in named:
+                named[rdev] = table.device(rdev)
+            if (dev := named[rdev]) is None:
+                continue
+            try:
+                target = os.readlink(f"{facts.proc_root}/{pid}/fd/{fd}")
+            except OSError:
+                continue  # closed, or the process gone, since the pass: it holds nothing there now
+            known[(st_dev, st_ino)] = dev
+            path = target.removesuffix(" (deleted)")
+            out.setdefault(pid, {}).setdefault((dev.name, path), (DeviceUse(dev, path, "fd"), fd))
     return out
 
 
@@ -335,5 +329,6 @@ def _holder(facts: Facts, roles: _Roles, pid: int, state: HolderState, why: str,
         name = next(u.device.name for u, fd in per if fd in drm_fds)
         by_gpu[name] = by_gpu.get(name, 0) + vram
         total = (total or 0) + vram
-    return GpuHolder(facts.processes[pid], roles.role(pid), roles.serve(pid, state), tuple(u for u, _ in per),
-                     total, by_gpu, state, why, _proc_state(facts.proc_root, pid))
+    info = facts.processes[pid]
+    return GpuHolder(info, roles.role(pid), roles.serve(pid, state), tuple(u for u, _ in per),
+                     total, by_gpu, state, why, info.proc_state or None)

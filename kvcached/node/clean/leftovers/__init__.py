@@ -25,8 +25,8 @@ Modules, in the order a run uses them:
 - `evidence`: `gather_engine_evidence(facts, candidates)` asks the /proc facts
   what only the engine pass needs, once: every process's maps matched by the
   device of the scanned files (Facts.map_users, one read that also serves
-  plain gc's lazy maps pass), open fds matched by name where the main pass
-  did not see them (Facts.fd_users), the PIDs every process has in each PID
+  plain gc's lazy maps pass), the open files the main pass identified
+  through every descriptor (ProcessInfo.held_files), the PIDs every process has in each PID
   namespace (Facts.namespace_pids, read only when a name carries a PID), the
   listeners by file identity, the processes we could not read, and whether
   this /proc can show every process at all (a container's own procfs

@@ -72,10 +72,8 @@ def gather_engine_evidence(facts: Facts, candidates: Sequence[EngineCandidate], 
             mapped[ident] = tuple(sorted(set(pids)))
         idents = {c.ident for c in files}
         for p in facts.processes.values():
-            for ident in p.shm_files & idents:
+            for ident in p.held_files & idents:
                 held.setdefault(ident, set()).add(p.pid)
-        for ident, pids in facts.fd_users({c.name for c in files}).items():
-            held.setdefault(ident, set()).update(pids)
     by_any_pid: dict[int, list[Proc]] = {}
     if needs_creators(files):
         wanted = {c.creator_pid for c in files if c.family.evidence is Evidence.CREATOR}
