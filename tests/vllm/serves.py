@@ -195,8 +195,31 @@ def _owner_main(conn: Any, shape: Shape, root: str, name: str, patched: bool, en
     conn.send((True, "stopped"))
 
 
+def _join_openmp_pool() -> None:
+    """Join this process's OpenMP worker threads before it forks an owner.
+
+    libgomp has no fork handler. Once a test in this worker has run a
+    parallel torch CPU op, a forked child inherits a pool whose threads it
+    does not have, and hangs in its first parallel region, or in vLLM's own
+    pause of the pool before it forks its engine (gomp_barrier_wait_end, seen
+    under load when such a test ran earlier in the same xdist worker). Paused
+    here (OpenMP 5.0, omp_pause_hard), the pool is rebuilt on this process's
+    next parallel region.
+    """
+    import ctypes
+
+    with open("/proc/self/maps") as f:
+        libs = {line.split()[-1] for line in f if os.path.basename(line.rstrip()).startswith("libgomp")}
+    for lib in libs:
+        try:
+            ctypes.CDLL(lib).omp_pause_resource_all(2)
+        except (OSError, AttributeError):
+            pass  # an OpenMP before 5.0: nothing to pause with
+
+
 def start(shape: Shape, root: str, name: str, patched: bool, env: dict[str, str] | None = None) -> Serve:
     """Start a serve of `shape` under node root `root`; return once its engines answered READY."""
+    _join_openmp_pool()
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_owner_main, args=(child, shape, root, name, patched, dict(env or {})), daemon=False)

@@ -176,6 +176,27 @@ def test_tp2_pp2_forked_workers(layout, uniq, start, patched) -> None:
     expect_nothing_left(layout, s)
 
 
+def test_a_serve_starts_from_a_test_process_that_ran_openmp(layout, uniq, start) -> None:
+    """A parallel torch CPU op earlier in this process (another test, in the same xdist worker) leaves
+    libgomp's pool up; the owner forked from it then hung in vLLM's pause of that pool before its own fork
+    of the workers, until serves.start joined the pool first (a run under load lost three tests to it)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        m = torch.ones(256, 256)
+        for _ in range(3):
+            m @ m
+    finally:
+        torch.set_num_threads(threads)
+    s = start(Shape(owner="api", tp=2), True)
+    (engine,) = s.engines
+    assert len(s.workers[engine]) == 2
+    stop_like_vllm_serve(s)
+    expect_nothing_left(layout, s)
+
+
 @both
 def _arg_start(pid: int) -> int:
     """Where the process's argument block starts (fields after the command name, which may hold spaces)."""

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..base.enums import KillOutcome as Outcome
+from ..base.fdstat import fd_stat
 from ..clean.orphans import KillResult, _wait_exit, pidfd_checked
 from .devices import DeviceTable, device_table
 from .holders import GpuHolder, _proc_state
@@ -29,18 +30,22 @@ _POLL = 0.05
 
 def gpu_fds_left(proc_root: str, pid: int, table: DeviceTable) -> bool:
     """Whether `pid` still has a descriptor of a GPU device open (False once its fd table is gone)."""
-    fd_dir = f"{proc_root}/{pid}/fd"
     try:
-        fds = os.listdir(fd_dir)
+        dir_fd = os.open(f"{proc_root}/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return False  # exited (a zombie's fd table is gone) or reaped
-    for fd in fds:
-        try:
-            st = os.stat(f"{fd_dir}/{fd}")
-        except OSError:
-            continue
-        if stat.S_ISCHR(st.st_mode) and table.device(st.st_rdev) is not None:
-            return True
+    try:
+        for fd in os.listdir(dir_fd):
+            try:
+                st = fd_stat(dir_fd, fd)  # as the /proc pass reads it: no wait on a dead NFS server
+            except OSError:
+                continue
+            if st is not None and stat.S_ISCHR(st.mode) and table.device(st.rdev) is not None:
+                return True
+    except OSError:
+        return False
+    finally:
+        os.close(dir_fd)
     return False
 
 
