@@ -44,6 +44,7 @@ def _load() -> Any:
     import ctypes
 
     fn: Any = None
+    buf = None
     try:
         fn = ctypes.CDLL(None, use_errno=True).statx
         fn.restype = ctypes.c_int  # no argtypes: every argument is an int, bytes or the buffer (base/ident.py)
@@ -52,7 +53,7 @@ def _load() -> Any:
             fn = None
     except (OSError, AttributeError):
         fn = None
-    _api.update(fn=fn, ctypes=ctypes, buf=ctypes.create_string_buffer(STATX_SIZE) if fn else None)
+    _api.update(fn=fn, ctypes=ctypes, buf=buf if fn else None)
     return fn
 
 

@@ -426,9 +426,14 @@ def _scan_fds(fd_dir: str, held: set[tuple[int, int]], sockets: set[int],
     dir_fd = os.open(fd_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for fd in os.listdir(dir_fd):
-            # Raises PermissionError: root without CAP_SYS_PTRACE may list another user's fd directory (DAC
-            # override) but not follow a link in it; the process is unread, not empty.
-            st = fd_stat(dir_fd, fd)
+            try:
+                st = fd_stat(dir_fd, fd)
+            except PermissionError:
+                # Root without CAP_SYS_PTRACE may list another user's fd directory (DAC override) but not
+                # follow a link in it: the process is unread, not empty.
+                raise
+            except OSError:
+                continue  # this file's filesystem failed the stat (a FUSE daemon gone): as a closed fd, unseen
             if st is None:
                 continue  # closed between listdir and the stat
             kind = stat.S_IFMT(st.mode)
