@@ -257,8 +257,13 @@ def test_threads_and_background_premapping_keep_the_books(seg, mapper):
         for t in threads:
             t.join()
         assert errors == []
-        # Quiescent once the reserve is back to 2 pages: the thread then has nothing to do.
-        wait_for(lambda: pool.stats().prealloc_pages == 2)
+        # Quiescent once the reserve is back to 2 pages and no background mapping is in flight: pages it
+        # maps outside the lock are in the mapper before they are in the books (a busy machine catches that).
+        def quiescent() -> bool:
+            with pool._lock:
+                return pool.stats().prealloc_pages == 2 and pool._inflight == 0
+
+        wait_for(quiescent)
         st = pool.step()
         assert st.used_blocks == 0 and st.used_pages == 0 and st.mapped_pages == 2
         _assert_consistent(pool, mapper, seg)
