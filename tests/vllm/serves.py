@@ -132,6 +132,10 @@ def _workers_of(pid: int) -> list[int]:
 
 def _owner_main(conn: Any, shape: Shape, root: str, name: str, patched: bool, env: dict[str, str]) -> None:
     os.setsid()  # a serve is a process group of its own: the API server leads it
+    # The owner waits KVCACHED_OWNER_EXIT_WAIT_S (2 s) for what a worker still serves, then exits and leaves
+    # the segment to the next start's sweep (docs/VLLM.md). A spawned worker on a busy machine can take
+    # longer than that to stop: these serves wait as SGLang's do, unless a test sets its own.
+    os.environ.setdefault("KVCACHED_OWNER_EXIT_WAIT_S", "10")
     os.environ.update(env, KVCACHED_ROOT=root, KVCACHED_IPC_NAME=name)
     for var in ("ENABLE_KVCACHED", "KVCACHED_ENABLE"):
         os.environ.pop(var, None)
