@@ -123,6 +123,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    # Units go out in collection order (vLLM, SGLang, the rest), not xdist's default of the most tests first:
+    # that put the SGLang unit before vLLM files, so a worker could fork a vLLM serve after importing SGLang.
+    config.option.loadscopereorder = False
+
     class SGLangTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.startswith(SGLANG_TESTS):
