@@ -197,13 +197,13 @@ def test_a_serve_starts_from_a_test_process_that_ran_openmp(layout, uniq, start)
     expect_nothing_left(layout, s)
 
 
-@both
 def _arg_start(pid: int) -> int:
     """Where the process's argument block starts (fields after the command name, which may hold spaces)."""
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[45])
 
 
+@both
 def test_spawned_worker(layout, uniq, start, patched) -> None:
     """A worker started by multiprocessing spawn (vLLM's way once CUDA is up) loads kvcached by the plugin loader."""
     s = start(Shape(owner="api", tp=1, backend="mp", worker_start="spawn"), patched)
