@@ -93,7 +93,9 @@ def test_links_and_bind_mounts_in_a_pod_volume_touch_nothing_outside(node: dict[
 def test_a_pod_with_no_process_left_loses_its_dead_files(node: dict[str, Any]) -> None:
     gc = node["gc"]["doc"]
     pod = _place(gc, kind="pod_volume", pod_uid=node["uid_b"])
-    assert pod["pids"] == [] and pod["path_inside"] is None and pod["pod"] == "sglang-1"
+    # A process listed here sees the volume, or is in a namespace kvctl could not read (its errors say which).
+    assert pod["pids"] == [], (pod["pids"], gc["errors"], pod["errors"])
+    assert pod["path_inside"] is None and pod["pod"] == "sglang-1"
     assert node["left"]["b"] == []
     reasons = {e["reason"] for e in _by_place(gc)[pod["path"]]}
     assert reasons == {"creator_gone", "unused"}

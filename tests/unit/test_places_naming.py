@@ -112,3 +112,26 @@ def test_a_namespace_whose_mount_table_cannot_be_read_sees_every_place(tmp_path:
     [place] = found.others
     assert place.kind is PlaceKind.POD_VOLUME and place.pids == (7,)
     assert any("could not be read" in e for e in found.errors)
+
+
+def test_a_namespace_is_read_through_its_next_process_when_the_lowest_is_gone(tmp_path: Path) -> None:
+    """The lowest PID exited after the /proc pass: its neighbour in the namespace still shows what it sees.
+
+    PIDs 7 and 9 share one namespace that does not mount the pod's volume; 7's mount table is gone. Read
+    through 9, the namespace is known, and neither process is taken to see the volume.
+    """
+    kubelet = tmp_path / "kubelet"
+    vol = kubelet / "pods" / UID / "volumes" / "kubernetes.io~empty-dir" / "dshm"
+    vol.mkdir(parents=True)
+    dev = os.stat(vol).st_dev
+    proc = _proc(tmp_path, 9, mountinfo="")
+    os.makedirs(f"{proc}/self")
+    (Path(proc) / "self" / "mountinfo").write_text(
+        f"40 27 {os.major(dev)}:{os.minor(dev)} / {vol} rw - tmpfs tmpfs rw\n")
+    os.makedirs(f"{proc}/7")
+    facts = Facts(proc_root=proc, my_mnt_ns="mnt:[1]", my_net_ns=None,
+                  processes={9: _process(9, "mnt:[7]"), 7: _process(7, "mnt:[7]")})
+    found = discover(facts, Layout(str(tmp_path / "root")), kubelet_dir=str(kubelet))
+    [place] = found.others
+    assert place.kind is PlaceKind.POD_VOLUME and place.pids == ()
+    assert not any("could not be read" in e for e in found.errors), found.errors

@@ -345,13 +345,22 @@ class _Finder:
                                               container=sb.group(1), runtime=runtime))
                     break
 
-    def namespace(self, ns: str, rep: int) -> None:
-        """One other mount namespace, read through one of its processes: what it sees at /dev/shm and /tmp."""
-        mounts = read_mountinfo(self.proc_root, rep)
+    def namespace(self, ns: str, members: list[int]) -> None:
+        """One other mount namespace, read through one of its processes: what it sees at /dev/shm and /tmp.
+
+        `members` are its processes, lowest PID first. The lowest is tried first (the longest-lived, as a
+        container's PID 1), then the next: one that exited since the /proc pass must not make a whole
+        namespace unread.
+        """
+        mounts, rep = None, members[0]
+        for rep in members:
+            if (mounts := read_mountinfo(self.proc_root, rep)) is not None:
+                break
         if mounts is None:
             # What it sees is unknown, so its processes may have made any place's files: they count as seeing
             # every place (a PID in a name then proves the file alive more often, never less).
-            self.errors.append(f"{self.proc_root}/{rep}/mountinfo: could not be read (mount namespace {ns}); "
+            self.errors.append(f"{self.proc_root}/{members[0]}/mountinfo: could not be read, nor that of any "
+                               f"other of its {len(members)} processes (mount namespace {ns}); "
                                "its processes are taken to see every place")
             self.unread.add(ns)
             return
@@ -395,12 +404,13 @@ def discover(facts: Facts, host: Layout, *, kubelet_dir: str | None = None,
         mine = []
     finder.own_mounts(mine)
     finder.sees[facts.my_mnt_ns] = finder.visible(mine)
-    reps: dict[str, int] = {}
-    for pid, p in facts.processes.items():
-        if p.mnt_ns is not None and p.mnt_ns != facts.my_mnt_ns and (p.mnt_ns not in reps or pid < reps[p.mnt_ns]):
-            reps[p.mnt_ns] = pid
-    for ns in sorted(reps, key=lambda n: reps[n]):
-        finder.namespace(ns, reps[ns])
+    members: dict[str, list[int]] = {}
+    for pid in sorted(facts.processes):
+        ns = facts.processes[pid].mnt_ns
+        if ns is not None and ns != facts.my_mnt_ns:
+            members.setdefault(ns, []).append(pid)
+    for ns in sorted(members, key=lambda n: members[n][0]):
+        finder.namespace(ns, members[ns])
     places = list(finder.by_id.values())
     wanted = frozenset(pl.dev for pl in places if pl.dev is not None)
     per_ns = {ns: devs & wanted for ns, devs in finder.sees.items()}
