@@ -24,6 +24,7 @@ import gc
 import multiprocessing
 import os
 import signal
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,11 +193,33 @@ def _owner_main(conn: Any, shape: Shape, root: str, name: str, patched: bool, en
                 conn.send((False, f"{type(e).__name__}: {e}"))
     finally:
         if shape.owner == "api":
-            client.shutdown(timeout=0)  # --shutdown-timeout 0, vLLM's default
+            _shutdown_like_the_api_server(client)
     # What ends an offline script: its LLM goes away, vLLM's finalizer shuts the engine down.
     del client
     gc.collect()
     conn.send((True, "stopped"))
+
+
+def _shutdown_like_the_api_server(client: Any) -> None:
+    """client.shutdown(timeout=0): --shutdown-timeout 0, vLLM's default; vLLM's own race in it let through.
+
+    With timeout 0, vLLM 0.33's shutdown() SIGTERMs the engines, lists those still alive, then runs
+    kill_process_tree() on each. Meanwhile its engine monitor thread reads the exit code of an engine that
+    has just exited, which reaps it; if that falls between kill_process_tree's psutil.Process(pid) and
+    its .children(), NoSuchProcess leaves shutdown() (seen once in CI, DP=2). A real API server dies of that
+    traceback too: it is vLLM's, not kvcached's, whose cleanup runs in the wrapper's finally either way and
+    is what the tests judge. Only that error, for one of this client's engines that is indeed gone, passes;
+    what shutdown() skipped after it (its ZMQ sockets and context) is then done as shutdown() does it.
+    """
+    try:
+        client.shutdown(timeout=0)
+    except psutil.NoSuchProcess as e:
+        engines = {p.pid for p in client.resources.engine_manager.processes}
+        if e.pid not in engines or psutil.pid_exists(e.pid):
+            raise
+        print(f"serves: vLLM's kill_process_tree lost engine {e.pid} to its monitor thread's reaping; "
+              "its shutdown is finished here", file=sys.stderr, flush=True)
+        client.resources()
 
 
 def _join_openmp_pool() -> None:
