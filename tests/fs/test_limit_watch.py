@@ -42,8 +42,22 @@ def test_reads_without_reopening_between_rechecks(tmp_path) -> None:
     watch.close()
 
 
-def _open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+def _fds_on(*files: tuple[int, int]) -> list[str]:
+    """This process's descriptors open on any of `files` (st_dev, st_ino).
+
+    By identity, not by counting descriptors: another test's thread or the
+    garbage collector may close one of its own at any moment (seen under a
+    full suite), and a leaked one may then reuse its number.
+    """
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            st = os.stat(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed since the listing, or the listing's own descriptor
+        if (st.st_dev, st.st_ino) in files:
+            found.append(fd)
+    return found
 
 
 def test_sglang_rank0_source_waits_for_the_segment_and_survives_a_planted_file(tmp_path, caplog) -> None:
@@ -52,7 +66,6 @@ def test_sglang_rank0_source_waits_for_the_segment_and_survives_a_planted_file(t
 
     path = str(tmp_path / "seg")
     source = SegmentLimit(path)
-    before = _open_fds()
     with caplog.at_level("WARNING", logger="kvcached.integration.sglang.elastic"):
         assert source.read() is None and source.read() is None  # no segment yet: SGLang's capacity alone
     assert len([r for r in caplog.records if "no limit segment" in r.getMessage()]) == 1  # warned once
@@ -60,12 +73,16 @@ def test_sglang_rank0_source_waits_for_the_segment_and_survives_a_planted_file(t
     assert source.read() == 4096
     write_segment(path, total=8192)
     assert source.read() == 8192  # kvctl limit, seen at the next step
+    st = os.stat(path)
+    segment = (st.st_dev, st.st_ino)
     source.close()
+    assert _fds_on(segment) == []
     os.unlink(path)
     os.mkfifo(path)  # planted where the segment was: opened without blocking, refused, and closed again
     planted = SegmentLimit(path)
     assert planted.read() is None and planted.read() is None
-    assert _open_fds() == before
+    st = os.stat(path)
+    assert _fds_on((st.st_dev, st.st_ino)) == []
     source.close()
     planted.close()
 
