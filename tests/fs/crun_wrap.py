@@ -3,7 +3,8 @@
 crun here refuses `setrlimit` for RLIMIT_NPROC and RLIMIT_NOFILE even at
 their current values, and refuses cgroups in hybrid mode: the bundle's
 `process.rlimits` is dropped before crun reads it, and crun runs with
-`--cgroup-manager=disabled`. Nothing else of the container changes.
+`--cgroup-manager=disabled`, its state in the directory given first (the
+scratch node's, not /run/crun). Nothing else of the container changes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _bundle(args: list[str]) -> str | None:
 
 
 def main() -> None:
-    args = sys.argv[1:]
+    state, args = sys.argv[1], sys.argv[2:]
     bundle = _bundle(args)
     if bundle is not None:
         path = os.path.join(bundle, "config.json")
@@ -35,7 +36,8 @@ def main() -> None:
         if config is not None and config.get("process", {}).pop("rlimits", None) is not None:
             with open(path, "w") as f:
                 json.dump(config, f)
-    os.execvp("crun", ["crun", "--cgroup-manager=disabled", *args])
+    # Its state under the scratch node too (crun's default is /run/crun): nothing of it outlives the test.
+    os.execvp("crun", ["crun", "--cgroup-manager=disabled", "--root", state, *args])
 
 
 if __name__ == "__main__":

@@ -102,9 +102,16 @@ class PodmanNode:
         os.makedirs(self.ready)
         self.wrap = f"{self.base}/crun-wrap"
         with open(self.wrap, "w") as f:
-            f.write(f"#!/bin/sh\nexec {sys.executable} {WRAP} \"$@\"\n")
+            f.write(f"#!/bin/sh\nexec {sys.executable} {WRAP} {self.base}/crun \"$@\"\n")
         os.chmod(self.wrap, 0o755)
-        keeper = (f"umount /sys/fs/cgroup/unified 2>/dev/null; mount --rbind / {self.rootfs} && "
+        # Where podman writes outside its roots, a tmpfs of the namespace's own, gone with it: its locks
+        # (/dev/shm/libpod_lock), the image build's scratch (/var/tmp) and its blob cache (/var/lib/containers).
+        # /var/lib/containers needs a mount point: made here when the machine has none, removed again in close().
+        self.made_var = not os.path.exists("/var/lib/containers")
+        scratch = " && ".join(f"mount -t tmpfs -o mode=1777 kvpod {d}" for d in ("/dev/shm", "/var/tmp"))
+        keeper = (f"umount /sys/fs/cgroup/unified 2>/dev/null; {scratch} && mkdir -p /var/lib/containers && "
+                  f"mount -t tmpfs -o mode=0700 kvpod /var/lib/containers && "
+                  f"mount --rbind / {self.rootfs} && "
                   f"mount --make-rprivate {self.rootfs} && echo ready && exec sleep 86400")
         self.keeper = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", keeper],
                                        stdout=subprocess.PIPE, text=True)
@@ -116,7 +123,8 @@ class PodmanNode:
             raise RuntimeError("the pods' mount namespace did not come up")
         self.flags = ["--root", f"{self.base}/var/lib/containers/storage",
                       "--runroot", f"{self.base}/run/containers/storage", "--tmpdir", f"{self.base}/run/libpod",
-                      "--volumepath", f"{self.base}/volumes", "--cgroup-manager", "cgroupfs",
+                      "--volumepath", f"{self.base}/volumes", "--network-config-dir", f"{self.base}/cni",
+                      "--cgroup-manager", "cgroupfs",
                       "--events-backend", "file", "--runtime", self.wrap]
 
     def enter(self, argv: list[str], *, env: dict[str, str] | None = None, timeout: float = 120,
@@ -179,6 +187,11 @@ class PodmanNode:
             self.keeper.wait()
             _reap_conmons(self.base)
             shutil.rmtree(self.base, ignore_errors=True)
+            if self.made_var:
+                try:
+                    os.rmdir("/var/lib/containers")
+                except OSError:
+                    pass
 
 
 def _reap_conmons(base: str) -> None:
