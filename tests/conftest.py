@@ -106,6 +106,9 @@ SGLANG_TESTS = "tests/sglang/"
 # device number among every process of the node, and doctor's node group runs gpu-orphans. Run on one
 # worker, one after another, a planted orphan GPU holder never meets another file's whole-node doctor.
 NODE_WIDE = ("tests/cli/test_gpu_cli.py", "tests/fs/test_gpu_holders.py", "tests/cli/test_commands.py")
+# The files whose kvctl -A runs act on every place of the machine: one at a time, or one would judge (and gc)
+# the other's pods and containers mid-test.
+PLACES_TESTS = ("tests/fs/test_places.py", "tests/fs/test_podman.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: absent without it, and then never called
@@ -133,6 +136,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
                 return SGLANG_TESTS
             if nodeid.startswith(NODE_WIDE):
                 return "node-wide"
+            if nodeid.startswith(PLACES_TESTS):
+                return "places"
             return super()._split_scope(nodeid)
 
     return SGLangTogether(config, log)  # type: ignore[arg-type]

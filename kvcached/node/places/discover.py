@@ -34,6 +34,7 @@ from ..base.enums import StrEnum
 from ..base.layout import Layout
 from ..base.mounts import Mount, read_mountinfo
 from ..clean.facts import Facts
+from .sandbox import holder_of
 
 
 class PlaceKind(StrEnum):
@@ -73,6 +74,8 @@ class Place:
     volume: str | None = None      # the emptyDir's name
     pids: tuple[int, ...] = ()     # processes that see it in their own mount namespace
     errors: tuple[str, ...] = ()   # what could not be read about it
+    holder: int | None = None      # a sandbox's pause/infra process, named by the runtime's state (sandbox.py)
+    holder_note: str | None = None  # a sandbox's: why no holder is known (then every viewer may be a creator)
 
     @property
     def is_host(self) -> bool:
@@ -102,7 +105,7 @@ class Place:
         return {"kind": str(self.kind), "pod_uid": self.pod_uid, "pod": self.pod, "namespace": self.namespace,
                 "container": self.container, "path": self.path, "path_inside": self.path_inside,
                 "volume": self.volume, "runtime": self.runtime, "device": _dev_text(self.dev),
-                "pids": list(self.pids)}
+                "pids": list(self.pids), "holder": self.holder, "holder_note": self.holder_note}
 
 
 def _dev_text(dev: int | None) -> str | None:
@@ -259,11 +262,16 @@ def open_inside(root: str, rel: str) -> int:
     return fd
 
 
-def _identity_of(root: str, rel: str) -> tuple[int, int] | str:
-    """(st_dev, st_ino) of `root`/`rel` reached without following a link, or why it could not be reached."""
+def _identity_of(root: str, rel: str, *, missing_ok: bool = False) -> tuple[int, int] | str | None:
+    """(st_dev, st_ino) of `root`/`rel` reached without following a link, or why it could not be reached.
+
+    `missing_ok`: None when it does not exist (a container whose image has no /tmp has no /tmp place).
+    """
     try:
         fd = open_inside(root, rel)
     except OSError as e:
+        if missing_ok and e.errno == errno.ENOENT:
+            return None
         why = "a symbolic link; not followed" if e.errno == errno.ELOOP else e.strerror
         return f"{os.path.join(root, rel.lstrip('/'))}: {why}"
     try:
@@ -315,7 +323,7 @@ class _Finder:
     def _mounted(self, m: Mount) -> tuple[int, int] | None:
         """The identity of a mount point of kvctl's own table, when it is the filesystem the table says."""
         ident = _identity_of(m.point, "")
-        if isinstance(ident, str) or ident[0] != m.dev:
+        if ident is None or isinstance(ident, str) or ident[0] != m.dev:
             self.errors.append(ident if isinstance(ident, str) else f"{m.point}: not the mounted filesystem")
             return None
         return ident
@@ -371,7 +379,9 @@ class _Finder:
             m = _covering(mounts, inside)
             if m is None or not m.dev:
                 continue
-            ident = _identity_of(root, inside)
+            ident = _identity_of(root, inside, missing_ok=True)
+            if ident is None:
+                continue
             if isinstance(ident, str):
                 self.errors.append(ident)
                 continue
@@ -391,6 +401,17 @@ class _Finder:
                 continue
             self.add(ident, Place(PlaceKind.MOUNT_NAMESPACE, f"{root}{inside}", seen, m.dev, path_inside=inside,
                                   pod_uid=pod_uid, pod=hostname, container=container))
+
+
+def _with_holder(pl: Place, facts: Facts, sandbox_root: str) -> Place:
+    """A sandbox's place with its holder (or why none is known), and the pod the runtime's state names."""
+    if pl.kind is not PlaceKind.SANDBOX:
+        return pl
+    h = holder_of(pl.runtime, pl.container, facts, pl.pids, sandbox_root)
+    if h is None:
+        return pl
+    return replace(pl, holder=h.pid, holder_note=h.why, pod=pl.pod or h.pod, namespace=pl.namespace or h.namespace,
+                   pod_uid=pl.pod_uid or h.pod_uid)
 
 
 def discover(facts: Facts, host: Layout, *, kubelet_dir: str | None = None,
@@ -419,6 +440,7 @@ def discover(facts: Facts, host: Layout, *, kubelet_dir: str | None = None,
     for pid, p in facts.processes.items():
         for dev in per_ns.get(p.mnt_ns, ()):
             viewers.setdefault(dev, []).append(pid)
-    final = [replace(pl, pids=tuple(sorted(viewers.get(pl.dev, ())))) for pl in places if pl.dev is not None]
+    final = [_with_holder(replace(pl, pids=tuple(sorted(viewers.get(pl.dev, ())))), facts, finder.sandbox_root)
+             for pl in places if pl.dev is not None]
     return Places(replace(HOST, path=host.root), final, {d: tuple(sorted(v)) for d, v in viewers.items()},
                   finder.errors)

@@ -41,6 +41,8 @@ def creators(facts: Facts, places: Places, pids_in_names: Iterable[int]) -> dict
         assert place.dev is not None
         found: dict[int, list[Proc]] = {}
         for pid in places.viewers.get(place.dev, ()):
+            if pid == place.holder:
+                continue  # a sandbox's pause/infra process creates nothing there (sandbox.py)
             info = facts.processes.get(pid)
             inner = nspids.get(pid, (pid,))[-1]
             if info is not None and inner in wanted:
@@ -55,7 +57,8 @@ def for_place(base: EngineEvidence, place: Place, by_place: Mapping[int, Mapping
     if place.is_host:
         return base
     assert place.dev is not None
-    return dataclasses.replace(base, by_any_pid=dict(by_place.get(place.dev, {})))
+    note = place.holder_note if place.holder is None else None
+    return dataclasses.replace(base, by_any_pid=dict(by_place.get(place.dev, {})), creator_note=note)
 
 
 def _inner_pgid(raw: bytes) -> int | None:
@@ -118,4 +121,5 @@ def place_facts(facts: Facts, places: Places, place: Place) -> Facts:
     assert place.dev is not None
     shared = {f.name: getattr(facts, f.name) for f in dataclasses.fields(Facts)
               if f.init and not f.name.startswith("_") and f.name not in ("lock_table", "mapped_files")}
-    return PlaceFacts(**shared, node=facts, viewers=places.viewers.get(place.dev, ()))
+    viewers = tuple(p for p in places.viewers.get(place.dev, ()) if p != place.holder)
+    return PlaceFacts(**shared, node=facts, viewers=viewers)

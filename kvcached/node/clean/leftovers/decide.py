@@ -112,8 +112,9 @@ def _creator(c: EngineCandidate, ev: EngineEvidence) -> tuple[Decision | None, b
     before = c.changed + START_SLACK
     older = [p.pid for p in procs if p.start_time <= before]
     if older:
+        note = f" (it may be the sandbox's own holder: {ev.creator_note})" if ev.creator_note else ""
         return _d(State.LIVE, EngineReason.CREATOR_ALIVE,
-                  f"its creator, PID {pid}, is alive and started before it", older), False
+                  f"its creator, PID {pid}, is alive and started before it{note}", older), False
     return None, bool(procs)
 
 

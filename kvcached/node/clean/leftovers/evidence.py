@@ -43,6 +43,8 @@ class EngineEvidence:
     view_gap: str | None = None
     # /proc hides other users' processes from us (hidepid, not root)
     hidden_users: bool = False
+    # why a live creator may be a sandbox's holder after all (its runtime's state named none): said with it
+    creator_note: str | None = None
 
     def users(self, c: EngineCandidate) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(PIDs mapping it, PIDs holding it open)."""
