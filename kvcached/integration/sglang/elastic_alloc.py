@@ -48,7 +48,7 @@ release delay while requests run (`bench/bench_sglang.py`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from time import monotonic_ns
 from typing import Any
@@ -61,6 +61,7 @@ from sglang.srt.utils import get_num_new_pages
 
 from ... import settings
 from ...runtime.elastic import DRAINING, MAPPED, RELEASING, UNMAPPED, ElasticPages, due_for_release
+from ...runtime.kvbuffer import LocalLink
 from .elastic_pool import _ElasticBuffers
 from .elastic_step import Agreed, Agreement, SegmentLimit, TPGroup
 
@@ -137,7 +138,7 @@ class _ElasticIds:
         self._last = max(i for i in range(n) if self.group_len[i] > 0)
         self.group_bytes = plan.max_pages_per_group() * buf.page_size
         # The groups' books (states, mapped, released at a boundary, the limit) are the elastic core's.
-        self.groups = ElasticPages(_GroupLink(buf), self.group_len, self.group_bytes, buf.mapped_groups())
+        self.groups = ElasticPages(LocalLink(buf), self.group_len, self.group_bytes, buf.mapped_groups())
         self._empty_since: dict[int, int] = {}  # mapped groups with no live id -> since (agreed clock)
         self._draining: set[int] = set()
         self._outside = 0  # free ids of unmapped and releasing groups (in no list)
@@ -437,21 +438,6 @@ class _ElasticIds:
                             tuple(sorted(self._draining)),
                             self.max_groups, self.group_bytes, buf.mapped_bytes,
                             self.available_ids() * self.page_size, self.schedulable_size())
-
-
-class _GroupLink:
-    """The pool's range as the elastic core's link: map and unmap by group."""
-
-    def __init__(self, buf: Any) -> None:
-        self.buf = buf
-
-    def map(self, groups: Sequence[int]) -> None:
-        """Map `groups` in every layer, all or nothing."""
-        self.buf.map_groups(groups)
-
-    def unmap(self, groups: Sequence[int]) -> None:
-        """Unmap `groups` in every layer."""
-        self.buf.unmap_groups(groups)
 
 
 class ElasticTokenAllocator(_ElasticIds, TokenToKVPoolAllocator):

@@ -61,8 +61,8 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvcached.integration.limits import limit_mapper
 from kvcached.node import KvcachedError
-from kvcached.runtime.elastic import MAPPED, ElasticPages, SegmentLimit, due_for_release
-from kvcached.runtime.kvbuffer import LinkSetup, WorkerLink
+from kvcached.runtime.elastic import MAPPED, ElasticPages, PageLink, SegmentLimit, due_for_release
+from kvcached.runtime.kvbuffer import LinkSetup
 
 log = logging.getLogger("kvcached.integration.vllm.elastic_alloc")
 
@@ -106,7 +106,7 @@ class InFlight:
 class ElasticSetup:
     """What the engine hands the pool: the link to the workers and what they agreed."""
 
-    link: WorkerLink
+    link: PageLink  # set up already (LocalLink or SocketLink): `agreed` is what its setup() answered
     agreed: LinkSetup
     segment_path: str | None
     reserve_pages: int = 1
