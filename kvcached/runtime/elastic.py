@@ -38,7 +38,7 @@ from typing import Protocol, TypeVar
 
 from kvcached.node import KvcachedError, LimitWatch, MappedReader, SegmentMissing, write_segment
 
-log = logging.getLogger("kvcached.runtime.elastic")
+log = logging.getLogger(__name__)
 
 UNMAPPED, MAPPED, RELEASING, DRAINING = 0, 1, 2, 3
 

@@ -47,7 +47,7 @@ from .pool import BroadcastMapper, MapError
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("kvcached.kvbuffer")
+log = logging.getLogger(__name__)
 
 
 class KVBuffer:

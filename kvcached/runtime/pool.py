@@ -45,7 +45,7 @@ from kvcached.runtime.ipc.protocol import CMD_CREATE, CMD_CREATED, CMD_MAP, CMD_
 from .elastic import ElasticPages, PageLink, SegmentLimit
 from .pages import DEFAULT_PAGE_SIZE, Pages
 
-log = logging.getLogger("kvcached.pool")
+log = logging.getLogger(__name__)
 
 
 class PoolExhausted(KvcachedError):

@@ -66,7 +66,7 @@ def test_sglang_rank0_source_waits_for_the_segment_and_survives_a_planted_file(t
 
     path = str(tmp_path / "seg")
     source = SegmentLimit(path)
-    with caplog.at_level("WARNING", logger="kvcached.integration.sglang.elastic"):
+    with caplog.at_level("WARNING", logger="kvcached.integration.sglang.elastic_step"):
         assert source.read() is None and source.read() is None  # no segment yet: SGLang's capacity alone
     assert len([r for r in caplog.records if "no limit segment" in r.getMessage()]) == 1  # warned once
     create_segment(path, 4096)

@@ -33,7 +33,7 @@ from typing import Any
 from ..patchkit import Changes, Patch, ShapeError, argument, params, source
 from .common import M_RUNTIME, M_SCHEDULER, engine_name, module, scheduler_ranks, stand_aside
 
-log = logging.getLogger("kvcached.integration.sglang")
+log = logging.getLogger(__name__)
 
 _GB = 1 << 30  # SGLang's GB: its pools' `mem_usage` is in these
 # This process's scheduler state; a container, not a module-level alias of anything SGLang's hook

@@ -14,7 +14,7 @@ from typing import Any
 from ... import settings
 from ...node import dp_rank_name, ipc_name_from_env
 
-log = logging.getLogger("kvcached.integration.sglang")
+log = logging.getLogger(__name__)
 
 PLUGIN_NAME = "kvcached"  # the entry point's name in group sglang.srt.plugins
 TAG = "SGLang"  # the tag of our default IPC name, kvcached_SGLang_<PGID> (docs/NODE.md §1), as upstream's

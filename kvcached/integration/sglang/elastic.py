@@ -38,7 +38,7 @@ from typing import Any
 from ... import settings
 from ..patchkit import Changes, NotCovered, Patch, original, params, require, source
 
-log = logging.getLogger("kvcached.integration.sglang.elastic")
+log = logging.getLogger(__name__)
 
 #: The serve side's patch that claims the segment on TP rank 0 (the limit is read from it).
 SEGMENT_PATCH = "sglang-segment"

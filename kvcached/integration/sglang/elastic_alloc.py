@@ -65,7 +65,7 @@ from ...runtime.kvbuffer import LocalLink
 from .elastic_pool import _ElasticBuffers
 from .elastic_step import Agreed, Agreement, SegmentLimit, TPGroup
 
-log = logging.getLogger("kvcached.integration.sglang.elastic")
+log = logging.getLogger(__name__)
 
 
 def _never() -> bool:

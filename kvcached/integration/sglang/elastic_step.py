@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from ...runtime import elastic
 from ..limits import limit_mapper
 
-log = logging.getLogger("kvcached.integration.sglang.elastic")
+log = logging.getLogger(__name__)
 
 
 # What every rank decides a step from: (the limit in bytes per rank, None while no segment can be read;

@@ -20,7 +20,7 @@ from .claim import PATCHES as SCHEDULER
 from .elastic import PATCHES as ELASTIC
 from .owner import PATCHES as OWNER
 
-log = logging.getLogger("kvcached.integration.sglang")
+log = logging.getLogger(__name__)
 
 PATCHES: tuple[Patch, ...] = (*SCHEDULER, *OWNER, *ELASTIC)
 

@@ -29,7 +29,7 @@ from .common import (
     params,
 )
 
-log = logging.getLogger("kvcached.integration.vllm")
+log = logging.getLogger(__name__)
 
 WORKERS_ATTR = "_kvcached_workers"  # on a MultiprocExecutor: the EngineOwner of its worker processes
 

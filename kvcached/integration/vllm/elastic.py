@@ -50,7 +50,7 @@ from ..patchkit import Changes, Patch, original, require
 from .common import argument, params
 from .kvlayout import footprint, pad_layer_regions, spec_of, unsupported
 
-log = logging.getLogger("kvcached.integration.vllm.elastic")
+log = logging.getLogger(__name__)
 
 MARK = "_kvcached_elastic"  # set on the KVCacheConfig objects the engine sends its workers
 

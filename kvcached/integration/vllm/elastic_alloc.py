@@ -64,7 +64,7 @@ from kvcached.node import KvcachedError
 from kvcached.runtime.elastic import MAPPED, ElasticPages, PageLink, SegmentLimit, due_for_release
 from kvcached.runtime.kvbuffer import LinkSetup
 
-log = logging.getLogger("kvcached.integration.vllm.elastic_alloc")
+log = logging.getLogger(__name__)
 
 # vLLM's own, for the overrides that add a check around them (called once or a few times per step).
 _vllm_get_new_blocks = BlockPool.get_new_blocks

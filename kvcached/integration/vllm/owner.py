@@ -17,7 +17,7 @@ from ... import settings
 from ..patchkit import Changes, Patch, ShapeError
 from .common import M_UTILS, argument, environ_set, module, params, source
 
-log = logging.getLogger("kvcached.integration.vllm")
+log = logging.getLogger(__name__)
 
 OWNER_ATTR = "_kvcached_owner"  # on a CoreEngineProcManager: its EngineOwner
 
