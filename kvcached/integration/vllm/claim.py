@@ -35,7 +35,7 @@ WORKERS_ATTR = "_kvcached_workers"  # on a MultiprocExecutor: the EngineOwner of
 
 
 @dataclass(frozen=True)
-class Found:
+class ClaimTargets:
     """The classes this patch wraps."""
 
     uni: Any  # UniProcExecutor
@@ -44,7 +44,7 @@ class Found:
     kv_manager: Any  # KVCacheManager
 
 
-def probe() -> Found:
+def probe() -> ClaimTargets:
     """vLLM's executors and KV cache manager, when their shapes are the ones this patch knows."""
     uni = getattr(module(M_UNIPROC), "UniProcExecutor", None)
     mp = getattr(module(M_EXECUTOR), "MultiprocExecutor", None)
@@ -62,7 +62,7 @@ def probe() -> Found:
         raise ShapeError("an executor overrides initialize_from_config")
     if not isinstance(getattr(kv_manager, "usage", None), property):
         raise ShapeError("KVCacheManager.usage is no longer a property")
-    return Found(uni, mp, base, kv_manager)
+    return ClaimTargets(uni, mp, base, kv_manager)
 
 
 def _device_total() -> int | None:
@@ -209,7 +209,7 @@ def _kv_manager_init(wrapped: Any, manager: Any, args: tuple[Any, ...], kwargs: 
         log.warning("kvcached: KV cache usage not followed: %s", e)
 
 
-def install(changes: Changes, found: Found) -> None:
+def install(changes: Changes, found: ClaimTargets) -> None:
     """Wrap both executors' start and shutdown, the KV cache's initialisation, and the KV cache manager."""
     changes.wrap(found.uni, "_init_executor", _uni_init)
     changes.wrap(found.uni, "shutdown", _uni_shutdown)

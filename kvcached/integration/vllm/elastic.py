@@ -140,7 +140,7 @@ def _refuse(why: str) -> None:
 
 
 @dataclass(frozen=True)
-class EnginePlan:
+class WorkerReach:
     """How this engine reaches its workers' buffers, decided before they allocate."""
 
     mode: str  # "local": the worker is in this process; "sockets": workers serve listeners
@@ -149,12 +149,12 @@ class EnginePlan:
     segment_path: str | None = None
 
 
-_engine: EnginePlan | None = None
+_engine: WorkerReach | None = None
 _tls = threading.local()
 
 
 def prepare_engine(kv_cache_configs: Sequence[Any], mode: str, tp_size: int = 1, pp_size: int = 1,
-                   segment_path: str | None = None) -> EnginePlan:
+                   segment_path: str | None = None) -> WorkerReach:
     """Mark the configs the workers will allocate and remember how to reach them (the executor seam)."""
     global _engine
     if mode not in ("local", "sockets"):
@@ -174,7 +174,7 @@ def prepare_engine(kv_cache_configs: Sequence[Any], mode: str, tp_size: int = 1,
             segment_path = layout_from_env().segment_path(ipc_name_from_env())
     for cfg in kv_cache_configs:
         setattr(cfg, MARK, True)
-    _engine = EnginePlan(mode, tp_size, pp_size, segment_path)
+    _engine = WorkerReach(mode, tp_size, pp_size, segment_path)
     return _engine
 
 
