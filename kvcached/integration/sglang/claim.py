@@ -89,29 +89,18 @@ def _serve(wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: dict[str
     return result
 
 
-def _device_total(gpu_id: int) -> int | None:
-    """One device's total memory: SGLang's platform's answer, else the host's (the CPU device's KV is host memory)."""
-    try:
+def scheduler_limit(server_args: Any, gpu_id: int) -> Any:
+    """The limit rank 0 claims with: KVCACHED_LIMIT, else SGLang's `mem_fraction_static` of one device."""
+    from ..limits import device_memory, resolve_limit
+
+    def platform_total() -> int:
         from sglang.srt.platforms import current_platform
 
         return int(current_platform.get_device_total_memory(gpu_id))
-    except Exception:
-        pass
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().total)
-    except Exception:
-        return None
-
-
-def scheduler_limit(server_args: Any, gpu_id: int) -> Any:
-    """The limit rank 0 claims with: KVCACHED_LIMIT, else SGLang's `mem_fraction_static` of one device."""
-    from ..limits import resolve_limit
 
     share = getattr(server_args, "mem_fraction_static", None)
     share = share if isinstance(share, float) and 0 < share <= 1 else 0.9
-    return resolve_limit(lambda: _device_total(gpu_id), share)
+    return resolve_limit(lambda: device_memory(platform_total), share)
 
 
 def _claim(wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -65,30 +65,20 @@ def probe() -> ClaimTargets:
     return ClaimTargets(uni, mp, base, kv_manager)
 
 
-def _device_total() -> int | None:
-    """One device's total memory, without creating a CUDA context in the engine process."""
-    try:
-        from vllm.platforms import current_platform
+def _platform_total() -> int:
+    """One device's total memory as vLLM's platform reads it: NVML on CUDA, so the engine process gets no context."""
+    from vllm.platforms import current_platform
 
-        return int(current_platform.get_device_total_memory(0))  # NVML on CUDA: no context
-    except Exception:
-        pass
-    try:
-        import psutil
-
-        # No GPU platform (vLLM's CPU backend, tests): the KV cache lives in host memory.
-        return int(psutil.virtual_memory().total)
-    except Exception:
-        return None
+    return int(current_platform.get_device_total_memory(0))
 
 
 def engine_limit(vllm_config: Any) -> Any:
     """The limit this engine claims with (KVCACHED_LIMIT, else vLLM's memory share of one device)."""
-    from ..limits import resolve_limit
+    from ..limits import device_memory, resolve_limit
 
     share = getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization", 0.9)
     share = share if isinstance(share, float) and 0 < share <= 1 else 0.9
-    return resolve_limit(_device_total, share)
+    return resolve_limit(lambda: device_memory(_platform_total), share)
 
 
 def start_engine(executor: Any, *, serve: bool) -> Any:

@@ -160,18 +160,12 @@ def prepare_engine(kv_cache_configs: Sequence[Any], mode: str, tp_size: int = 1,
     if mode not in ("local", "sockets"):
         raise ValueError(f"unknown mode {mode!r}")
     if segment_path is None:
-        from ..engine_claim import claimed_segment
+        from ...node import ipc_name_from_env
+        from ..engine_elastic import segment_to_follow
 
         # The segment this engine claimed when its executor started (engine-state),
         # else the deployment's by name, picked up once someone creates it.
-        claimed = claimed_segment()
-        if claimed is not None:
-            segment_path = claimed.path
-        else:
-            from ...node import ipc_name_from_env
-            from .. import layout_from_env
-
-            segment_path = layout_from_env().segment_path(ipc_name_from_env())
+        segment_path = segment_to_follow(ipc_name_from_env())
     for cfg in kv_cache_configs:
         setattr(cfg, MARK, True)
     _engine = WorkerReach(mode, tp_size, pp_size, segment_path)
@@ -204,6 +198,7 @@ def _make_setup(num_blocks: int) -> Any:
     from kvcached.runtime.kvbuffer import LocalLink, SocketLink, local_buffer
     from kvcached.runtime.pool import MapError
 
+    from ..engine_elastic import release_settings
     from .elastic_alloc import ElasticSetup
 
     plan = _engine
@@ -229,8 +224,8 @@ def _make_setup(num_blocks: int) -> Any:
             log.warning("kvcached: every worker kept vLLM's allocation; the block pool is not elastic: %s", e)
             return None
         raise
-    return ElasticSetup(link, agreed, plan.segment_path, settings.ELASTIC_RESERVE_PAGES.get(),
-                        settings.ELASTIC_RELEASE_DELAY_S.get())
+    release = release_settings()
+    return ElasticSetup(link, agreed, plan.segment_path, release.reserve, release.delay_s)
 
 
 def _all_refused(link: Any) -> bool:
