@@ -61,12 +61,12 @@ def _fds_on(*files: tuple[int, int]) -> list[str]:
 
 
 def test_sglang_rank0_source_waits_for_the_segment_and_survives_a_planted_file(tmp_path, caplog) -> None:
-    # elastic_step imports no SGLang: rank 0's source is tested here, where no SGLang install is needed.
-    from kvcached.integration.sglang.elastic_step import limit_source
+    # elastic_ranks imports no SGLang: rank 0's source is tested here, where no SGLang install is needed.
+    from kvcached.integration.sglang.elastic_ranks import limit_source
 
     path = str(tmp_path / "seg")
     source = limit_source(path)
-    with caplog.at_level("WARNING", logger="kvcached.integration.sglang.elastic_step"):
+    with caplog.at_level("WARNING", logger="kvcached.integration.sglang.elastic_ranks"):
         assert source.read() is None and source.read() is None  # no segment yet: SGLang's capacity alone
     assert len([r for r in caplog.records if "no limit segment" in r.getMessage()]) == 1  # warned once
     create_segment(path, 4096)
@@ -118,7 +118,7 @@ def test_a_mapped_watch_follows_the_limit_a_truncation_and_a_replacement(tmp_pat
 
 def test_the_engines_map_their_limit_when_the_extension_is_built(tmp_path) -> None:
     from kvcached.integration.limits import limit_mapper
-    from kvcached.integration.sglang.elastic_step import limit_source
+    from kvcached.integration.sglang.elastic_ranks import limit_source
 
     assert limit_mapper() is _mapper()
     path = str(tmp_path / "seg")

@@ -33,7 +33,7 @@ RANK = textwrap.dedent("""
     dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world)
     group = dist.new_group(ranks=list(range(world)), backend="gloo")
 
-    from kvcached.integration.sglang.elastic_step import limit_source
+    from kvcached.integration.sglang.elastic_ranks import limit_source
     from tests.sglang import elastic_support as es
 
 

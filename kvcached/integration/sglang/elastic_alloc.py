@@ -1,7 +1,7 @@
 """SGLang's token allocators over an elastic pool: ids of mapped groups first, groups mapped on demand, under the limit.
 
 The `sglang-elastic-kv` patch builds them for the elastic pools of
-`elastic_pool` (the paged allocator through the platform hook
+`elastic_buffers` (the paged allocator through the platform hook
 `get_paged_allocator_cls`, page size 1 where SGLang's configurator builds
 `TokenToKVPoolAllocator` by name). Being subclasses of SGLang's allocators,
 this module imports SGLang at import.
@@ -26,7 +26,7 @@ unchanged; this adds:
   evicts or retracts as it does in front of a full pool, and never reaches
   an allocation that would fail;
 - at each step boundary (`step`, before the scheduler picks its next batch):
-  the limit agreed across the TP group (`elastic_step`), groups with no live
+  the limit agreed across the TP group (`elastic_ranks`), groups with no live
   token released once they stayed free `release_delay` (at once when the
   scheduler is idle or over the limit; the lowest `reserve` free groups stay
   mapped), their ids taken out of the free list, and their memory unmapped
@@ -71,8 +71,8 @@ from ...runtime.elastic import (
 )
 from ...runtime.kvbuffer import LocalLink
 from ..engine_elastic import release_settings
-from .elastic_pool import _ElasticBuffers
-from .elastic_step import Agreed, Agreement, TPGroup
+from .elastic_buffers import _ElasticBuffers
+from .elastic_ranks import Agreed, Agreement, TPGroup
 
 log = logging.getLogger(__name__)
 

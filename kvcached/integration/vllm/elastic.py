@@ -11,10 +11,10 @@ does. On, four points change, each found by its shape (docs/VLLM.md):
    config, so no worker ever waits for an engine that will not map its pages.
 2. Worker, `vllm.v1.worker.utils.allocate_kv_cache` (and the names the model
    runners imported it under): for a marked config whose layout we can
-   describe (`kvlayout`), the one backing buffer becomes a `KVBuffer` (a
-   reserved range, block 0's pages mapped) and vLLM's own
-   `create_kv_cache_views` lays every layer over it, so each layer's tensor is
-   a view of the range. Anything else falls back to vLLM's allocation and
+   describe, the one backing buffer becomes a `KVBuffer` (a reserved range,
+   block 0's pages mapped) and vLLM's own `create_kv_cache_views` lays every
+   layer over it, so each layer's tensor is a view of the range
+   (`elastic_buffers`). Anything else falls back to vLLM's allocation and
    tells the engine why.
 3. Engine, `KVCacheManager.__init__` and the `BlockPool` name its
    coordinator builds with: the manager's block pool is an
@@ -45,14 +45,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import settings
-from .. import running
 from ..patchkit import Changes, Patch, original, require
 from .common import argument, params
-from .kvlayout import footprint, pad_layer_regions, spec_of, unsupported
+from .elastic_buffers import MARK, allocate_kv_cache, refusals
 
 log = logging.getLogger(__name__)
-
-MARK = "_kvcached_elastic"  # set on the KVCacheConfig objects the engine sends its workers
 
 M_BLOCK_POOL = "vllm.v1.core.block_pool"
 M_COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
@@ -71,69 +68,11 @@ def switch() -> str | None:
     return None if settings.ELASTIC.get() else f"elastic KV memory is off (set {settings.ELASTIC.name}=1)"
 
 
-# -- worker: the allocation -------------------------------------------------------
-
-_refusals: list[str] = []  # why this process's worker fell back to vLLM's allocation
-
-
-def allocate_kv_cache(plain: Any, kv_cache_config: Any, device: Any, layout: Any,
-                      kernel_block_sizes: list[int] | None = None) -> dict[str, Any]:
-    """vLLM's allocate_kv_cache (`plain`), over an elastic buffer when the engine asked for one."""
-    if not getattr(kv_cache_config, MARK, False):
-        return plain(kv_cache_config, device, layout, kernel_block_sizes)
-    why = unsupported(kv_cache_config)
-    if why is None and str(device).split(":")[0] not in ("cpu", "cuda"):
-        why = f"device {device} has no page backend"
-    if why is None:
-        try:
-            return _allocate_elastic(kv_cache_config, device, layout, kernel_block_sizes)
-        except Exception as e:  # never fail a worker's start for it: fall back, and say so
-            log.exception("kvcached: elastic KV buffer failed")
-            why = f"{type(e).__name__}: {e}"
-    _refuse(why)
-    return plain(kv_cache_config, device, layout, kernel_block_sizes)
+# -- worker: the allocation (elastic_buffers) ---------------------------------------
 
 
 def _allocate(wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     return allocate_kv_cache(wrapped, *args, **kwargs)
-
-
-def _allocate_elastic(cfg: Any, device: Any, layout: Any, kernel_block_sizes: list[int] | None) -> dict[str, Any]:
-    from vllm.v1.kv_cache_interface import create_kv_cache_views
-
-    from kvcached.runtime.kvbuffer import KVBuffer, set_local_buffer
-
-    page = settings.PAGE_SIZE.get()
-    # The worker's own copy of the config: the model runner keeps it, so it describes the views made here.
-    pad_layer_regions(cfg, page)
-    buf = KVBuffer(footprint(cfg, layout), page, device=str(device))
-    raw = buf.tensor()
-    kv_caches: dict[str, Any] = {}
-    for t in cfg.kv_cache_tensors:
-        gid, spec = spec_of(cfg, t.layers[0])
-        kernel = kernel_block_sizes[gid] if kernel_block_sizes is not None and gid < len(kernel_block_sizes) \
-            else None
-        views = create_kv_cache_views(raw, spec, cfg.num_blocks_of(t), layout, t, kernel_block_size=kernel)
-        kv_caches.update(zip(t.layers, views))
-    set_local_buffer(buf)
-    listener = running.current_worker_listener()
-    if listener is not None:
-        buf.register(listener)
-    log.info("kvcached: KV cache of %d bytes is elastic: %d pages of %d bytes reserved, %d mapped",
-             cfg.kv_cache_tensors[0].size, buf.plan.num_pages, buf.page_size, buf.pages.num_mapped)
-    return kv_caches
-
-
-def _refuse(why: str) -> None:
-    from kvcached.runtime.ipc.protocol import CMD_INFO
-    from kvcached.runtime.kvbuffer import set_local_buffer
-
-    log.warning("kvcached: this KV cache stays fully allocated, not elastic: %s", why)
-    _refusals.append(why)
-    set_local_buffer(None)
-    listener = running.current_worker_listener()
-    if listener is not None:
-        listener.register(CMD_INFO, lambda _a: {"elastic": False, "why": why})
 
 
 # -- engine: the decision, the pool, the steps ---------------------------------------
@@ -208,7 +147,7 @@ def _make_setup(num_blocks: int) -> Any:
         buf = local_buffer()
         if buf is None:
             log.warning("kvcached: the worker kept vLLM's allocation (%s); the block pool is not elastic",
-                        _refusals[-1] if _refusals else "no elastic buffer in this process")
+                        refusals[-1] if refusals else "no elastic buffer in this process")
             return None
         link = LocalLink(buf)
     else:
