@@ -26,6 +26,12 @@ M_COMMON = "sglang.srt.utils.common"
 M_TOKENIZER = "sglang.srt.managers.tokenizer_manager"
 M_RUNTIME = "sglang.srt.runtime_context"
 M_ENVIRON = "sglang.srt.environ"
+# What sglang-elastic-kv changes beside them.
+M_PLATFORM = "sglang.srt.platforms.interface"
+M_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator"
+M_POOL = "sglang.srt.mem_cache.memory_pool"
+M_ALLOCATOR = "sglang.srt.mem_cache.allocator"
+M_BUDGET = "sglang.srt.mem_cache.prefill_budget"
 
 # Where a scheduler's ranks are first known: the worker listener and the segment patches both hook it.
 CONFIGURE = f"{M_SCHEDULER}:configure_scheduler_process"

@@ -38,18 +38,12 @@ from typing import Any
 
 from ... import settings
 from ..patchkit import Changes, NotCovered, Patch, original, params, require, source
+from .common import M_ALLOCATOR, M_BUDGET, M_CONFIGURATOR, M_PLATFORM, M_POOL, M_SCHEDULER
 
 log = logging.getLogger(__name__)
 
 #: The serve side's patch that claims the segment on TP rank 0 (the limit is read from it).
 SEGMENT_PATCH = "sglang-segment"
-
-M_PLATFORM = "sglang.srt.platforms.interface"
-M_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator"
-M_SCHEDULER = "sglang.srt.managers.scheduler"
-M_POOL = "sglang.srt.mem_cache.memory_pool"
-M_ALLOCATOR = "sglang.srt.mem_cache.allocator"
-M_BUDGET = "sglang.srt.mem_cache.prefill_budget"
 
 
 def switch() -> str | None:

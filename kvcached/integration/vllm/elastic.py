@@ -46,18 +46,21 @@ from typing import Any
 
 from ... import settings
 from ..patchkit import Changes, Patch, original, require
-from .common import argument, params
+from .common import (
+    M_ABSTRACT,
+    M_BLOCK_POOL,
+    M_COORDINATOR,
+    M_INTERFACE,
+    M_KV_MANAGER,
+    M_SCHEDULER,
+    M_WORKER_UTILS,
+    argument,
+    params,
+)
 from .elastic_buffers import MARK, allocate_kv_cache, refusals
 
 log = logging.getLogger(__name__)
 
-M_BLOCK_POOL = "vllm.v1.core.block_pool"
-M_COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
-M_MANAGER = "vllm.v1.core.kv_cache_manager"
-M_SCHEDULER = "vllm.v1.core.sched.scheduler"
-M_EXECUTOR = "vllm.v1.executor.abstract"
-M_WORKER_UTILS = "vllm.v1.worker.utils"
-M_INTERFACE = "vllm.v1.kv_cache_interface"
 # Modules that bind allocate_kv_cache by name at import (patched when already imported; those imported later
 # bind the patched name).
 ALLOCATE_USERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils")
@@ -199,8 +202,8 @@ def elastic_pool(scheduler: Any) -> Any:
 
 def probe() -> dict[str, Any]:
     """The modules the patch changes, when the installed vLLM is the shape we know; raises ShapeError otherwise."""
-    mods = {m: importlib.import_module(m) for m in (M_BLOCK_POOL, M_COORDINATOR, M_MANAGER, M_SCHEDULER,
-                                                   M_EXECUTOR, M_WORKER_UTILS, M_INTERFACE)}
+    mods = {m: importlib.import_module(m) for m in (M_BLOCK_POOL, M_COORDINATOR, M_KV_MANAGER, M_SCHEDULER,
+                                                   M_ABSTRACT, M_WORKER_UTILS, M_INTERFACE)}
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
     bp = mods[M_BLOCK_POOL].BlockPool
@@ -217,7 +220,7 @@ def probe() -> dict[str, Any]:
              "KVCacheBlock no longer has block_id, ref_cnt, _block_hash, prev_free_block, is_null")
     require(original(getattr(mods[M_COORDINATOR], "BlockPool", None)) is bp,
              "kv_cache_coordinator no longer builds its pool through the name BlockPool")
-    manager = mods[M_MANAGER].KVCacheManager
+    manager = mods[M_KV_MANAGER].KVCacheManager
     require("get_kv_cache_coordinator(" in inspect.getsource(original(manager.__init__)),
              "KVCacheManager.__init__ no longer builds its coordinator")
     sched = mods[M_SCHEDULER].Scheduler
@@ -225,7 +228,7 @@ def probe() -> dict[str, Any]:
              "Scheduler.update_from_output(scheduler_output, model_runner_output) changed")
     for name in ("schedule", "finish_requests", "has_requests"):
         require(callable(getattr(sched, name, None)), f"Scheduler.{name} is missing")
-    require(params(mods[M_EXECUTOR].Executor.initialize_from_config) == ["self", "kv_cache_configs"],
+    require(params(mods[M_ABSTRACT].Executor.initialize_from_config) == ["self", "kv_cache_configs"],
              "Executor.initialize_from_config(kv_cache_configs) changed")
     require(params(mods[M_WORKER_UTILS].allocate_kv_cache) == ["kv_cache_config", "device", "layout",
                                                                "kernel_block_sizes"],
@@ -389,12 +392,12 @@ def install(changes: Changes, mods: dict[str, Any]) -> None:
         if mod is not None and getattr(mod, "allocate_kv_cache", None) is plain:
             changes.wrap(mod, "allocate_kv_cache", _allocate)
     changes.wrap(mods[M_COORDINATOR], "BlockPool", _block_pool)
-    changes.wrap(mods[M_MANAGER].KVCacheManager, "__init__", _manager_init)
+    changes.wrap(mods[M_KV_MANAGER].KVCacheManager, "__init__", _manager_init)
     sched = mods[M_SCHEDULER].Scheduler
     for name, hook in zip(STEP_METHODS, (_schedule, _update_from_output)):
         _handles[name] = (sched, changes.wrap(sched, name, hook))
     changes.wrap(sched, "finish_requests", _finish_requests)
-    changes.wrap(mods[M_EXECUTOR].Executor, "initialize_from_config", _initialize_from_config)
+    changes.wrap(mods[M_ABSTRACT].Executor, "initialize_from_config", _initialize_from_config)
     changes.on_undo(forget_engine)
     changes.on_undo(_unbind_all)
 
@@ -404,13 +407,13 @@ PATCH = Patch(
     does="KV cache tensors over reserved ranges, pages mapped for the blocks vLLM's block pool hands out, "
          "under the segment's limit",
     targets=(
-        "vllm.v1.executor.abstract:Executor.initialize_from_config",
-        "vllm.v1.worker.utils:allocate_kv_cache",
-        "vllm.v1.core.kv_cache_manager:KVCacheManager.__init__",
-        "vllm.v1.core.kv_cache_coordinator:BlockPool",
-        "vllm.v1.core.sched.scheduler:Scheduler.schedule",
-        "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
-        "vllm.v1.core.sched.scheduler:Scheduler.finish_requests",
+        f"{M_ABSTRACT}:Executor.initialize_from_config",
+        f"{M_WORKER_UTILS}:allocate_kv_cache",
+        f"{M_KV_MANAGER}:KVCacheManager.__init__",
+        f"{M_COORDINATOR}:BlockPool",
+        f"{M_SCHEDULER}:Scheduler.schedule",
+        f"{M_SCHEDULER}:Scheduler.update_from_output",
+        f"{M_SCHEDULER}:Scheduler.finish_requests",
     ),
     probe=probe,
     install=install,
