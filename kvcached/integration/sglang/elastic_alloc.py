@@ -51,7 +51,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from time import monotonic_ns
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
@@ -59,20 +59,14 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 from sglang.srt.utils import get_num_new_pages
 
-from ...runtime.elastic import (
-    DRAINING,
-    MAPPED,
-    RELEASING,
-    UNMAPPED,
-    ElasticPages,
-    SegmentLimit,
-    due_for_release,
-    review_interval,
-)
+from ...runtime.elastic import DRAINING, MAPPED, RELEASING, UNMAPPED, ElasticPages, due_for_release, review_interval
 from ...runtime.kvbuffer import LocalLink
 from ..engine_elastic import release_settings
 from .elastic_buffers import _ElasticBuffers
 from .elastic_ranks import Agreed, Agreement, TPGroup
+
+if TYPE_CHECKING:
+    from ...runtime.elastic import SegmentLimit
 
 log = logging.getLogger(__name__)
 
