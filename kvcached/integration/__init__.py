@@ -1,8 +1,9 @@
 """Engine integrations (vLLM and SGLang). Runtime layer: loaded only inside engine processes, and by `detect`.
 
-Importing this package, or any of its modules but `vllm.elastic_alloc` (a subclass
-of vLLM's BlockPool), imports neither an engine nor torch: the patches import
-their engine when they are applied or probed.
+Importing this package, or any of its modules but the engines' subclasses
+(`vllm.elastic_alloc`, `sglang.elastic_alloc`, `sglang.elastic_buffers`),
+imports neither an engine nor torch: the patches import their engine when
+they are applied or probed.
 
 - here: `enabled()`, and `run_once`, every engine plugin's entry-point frame
   (its work once per process, only when kvcached is enabled, nothing raised
