@@ -54,7 +54,7 @@ def _pool(elastic: bool, size: int = SIZE) -> Any:
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from kvcached.integration.sglang.elastic_pool import ElasticMHATokenToKVPool
+    from kvcached.integration.sglang.elastic_buffers import ElasticMHATokenToKVPool
 
     cls = ElasticMHATokenToKVPool if elastic else MHATokenToKVPool
     return cls(size=size, page_size=1, dtype=torch.float16, head_num=HEADS, head_dim=HEAD_DIM, layer_num=LAYERS,
@@ -66,13 +66,13 @@ def _allocator(elastic: bool, seg: str | None, size: int = SIZE) -> tuple[Any, A
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 
     from kvcached.integration.sglang.elastic_alloc import ElasticTokenAllocator
-    from kvcached.integration.sglang.elastic_step import SegmentLimit
+    from kvcached.integration.sglang.elastic_ranks import limit_source
 
     pool = _pool(elastic, size)
     cls = ElasticTokenAllocator if elastic else TokenToKVPoolAllocator
     alloc = cls(size, dtype=torch.float16, device="cpu", kvcache=pool, need_sort=False)
     if elastic:
-        alloc.attach(None, SegmentLimit(seg))
+        alloc.attach(None, limit_source(seg))
     return pool, alloc
 
 

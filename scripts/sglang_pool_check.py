@@ -32,7 +32,7 @@ def _build(device: str, size: int) -> tuple[Any, Any]:
     import torch
 
     from kvcached.integration.sglang.elastic_alloc import ElasticTokenAllocator
-    from kvcached.integration.sglang.elastic_pool import ElasticMHATokenToKVPool
+    from kvcached.integration.sglang.elastic_buffers import ElasticMHATokenToKVPool
 
     pool = ElasticMHATokenToKVPool(size=size, page_size=1, dtype=torch.float16, head_num=HEADS, head_dim=HEAD_DIM,
                                    layer_num=LAYERS, device=device, enable_memory_saver=False,

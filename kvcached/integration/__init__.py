@@ -1,8 +1,9 @@
 """Engine integrations (vLLM and SGLang). Runtime layer: loaded only inside engine processes, and by `detect`.
 
-Importing this package, or any of its modules but `vllm.elastic_alloc` (a subclass
-of vLLM's BlockPool), imports neither an engine nor torch: the patches import
-their engine when they are applied or probed.
+Importing this package, or any of its modules but the engines' subclasses
+(`vllm.elastic_alloc`, `sglang.elastic_alloc`, `sglang.elastic_buffers`),
+imports neither an engine nor torch: the patches import their engine when
+they are applied or probed.
 
 - here: `enabled()`, and `run_once`, every engine plugin's entry-point frame
   (its work once per process, only when kvcached is enabled, nothing raised
@@ -10,12 +11,12 @@ their engine when they are applied or probed.
   package alone: no wrapt, no patch kit.
 - `patchkit`: the kit every engine's patches are made with (Patch, Registry, wrap).
 - `running`: what one process shares between them (its engines, its worker listener).
-- `engine_claim`, `engine_owner`, `limits`: engine-agnostic halves (what an
-  engine holds; the owner's cleanup duty; the limit an engine claims with).
-- `vllm/`: vLLM's plugin, its patches (one module each), the elastic block
-  pool, and what `detect` reports about vLLM.
-- `sglang/`: SGLang's plugin, its patches (the scheduler side, the owner side),
-  and what `detect` reports about SGLang.
+- `engine_claim`, `engine_owner`, `limits`, `engine_elastic`: engine-agnostic
+  halves (what an engine holds; the owner's cleanup duty; the limit an engine
+  claims with; what both engines' elastic pools take from the deployment).
+- `vllm/` and `sglang/`: each engine's plugin, its patches and its elastic KV,
+  one file name per role in both (docs/ARCHITECTURE.md's table), and what
+  `detect` reports about it.
 - `detect`: `python -m kvcached.integration.detect --json` (kvcached.detect/1), read by `kvctl doctor`.
 """
 

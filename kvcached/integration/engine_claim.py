@@ -29,7 +29,7 @@ from ..node import Layout, SegmentCleanup, SegmentInfo, SegmentLease, write_segm
 from . import running
 from .limits import Limit
 
-log = logging.getLogger("kvcached.integration.engine")
+log = logging.getLogger(__name__)
 
 # Upstream readers hold the segment's flock for microseconds; retry that long.
 _REMOVE_TRIES = 20

@@ -42,7 +42,7 @@ from typing import Protocol
 from .. import settings
 from ..node import BufferCleanup, Layout, OwnerResult, SegmentCleanup, WorkerSocketCleanup
 
-log = logging.getLogger("kvcached.integration.engine_owner")
+log = logging.getLogger(__name__)
 
 # How often the owner retries what is still served. The two windows are
 # settings (read at each shutdown): OWNER_EXIT_WAIT_S, how long it waits for

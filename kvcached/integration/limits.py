@@ -7,7 +7,8 @@
 
 A `KVCACHED_LIMIT` that does not parse is warned about once and the default
 used (settings.LIMIT): the default is the share vLLM itself would take without
-kvcached. No vLLM or torch import here: the caller passes the device's memory in.
+kvcached. No vLLM or torch import here: the caller passes the device's memory in
+(`device_memory`, from the engine's platform).
 """
 
 from __future__ import annotations
@@ -49,6 +50,25 @@ def resolve_limit(device_total: Callable[[], int | None], utilization: float,
                        f"set {ENV_LIMIT} to a size, e.g. {ENV_LIMIT}=40G")
     why = f"{ENV_LIMIT}={raw}" if asked is not None else "gpu_memory_utilization"
     return Limit(int(total * share), f"{share:.0%} of {format_size(total)} device memory ({why})")
+
+
+def device_memory(platform_total: Callable[[], int]) -> int | None:
+    """One device's total memory: what the engine's platform says (`platform_total`), else the host's.
+
+    The platform's answer fails where there is no GPU platform (an engine's
+    CPU backend, the tests): its KV cache then lives in host memory, so the
+    host's memory is the device's. None when neither can be read.
+    """
+    try:
+        return int(platform_total())
+    except Exception:
+        pass
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:
+        return None
 
 
 def limit_mapper() -> Callable[[int], MappedReader] | None:

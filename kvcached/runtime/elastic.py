@@ -18,7 +18,7 @@ here, once:
   ``prealloc`` written back when they changed.
 - `due_for_release`: which idle pages are released now (past the reserve,
   idle for the release delay, at once when the engine is idle or over the
-  limit).
+  limit), and `review_interval`, how often a busy engine looks.
 
 What stays with each engine's adapter is what the engine knows: where its
 free units are (vLLM's free block queue, SGLang's free-list tensor, the
@@ -38,7 +38,7 @@ from typing import Protocol, TypeVar
 
 from kvcached.node import KvcachedError, LimitWatch, MappedReader, SegmentMissing, write_segment
 
-log = logging.getLogger("kvcached.runtime.elastic")
+log = logging.getLogger(__name__)
 
 UNMAPPED, MAPPED, RELEASING, DRAINING = 0, 1, 2, 3
 
@@ -174,6 +174,7 @@ class ElasticPages:
         self.mapped_count = len(on)
         self.limit: int | None = None
         self.max_pages = n
+        self.last = max((p for p in range(n) if self.sizes[p] > 0), default=-1)  # the last page holding units
 
     @property
     def kept(self) -> int:
@@ -194,6 +195,17 @@ class ElasticPages:
     def mappable(self, inflight: int = 0) -> int:
         """Pages that may still be mapped: unmapped, and within the limit (`inflight` being mapped apart)."""
         return max(0, min(len(self.unmapped), self.max_pages - self.mapped_count - inflight))
+
+    def spare_units(self, count: int, per_page: int, *, releasing: bool) -> int:
+        """Units that `count` more pages surely hold, of those `grow` could bring: the unmapped, and with
+        `releasing` the pages being released too. Each holds `per_page` units but the last page of the range,
+        which may hold fewer (a cache rarely fills its last page), and is counted short while it could come."""
+        count = min(count, len(self.unmapped) + (len(self.releasing) if releasing else 0))
+        if count <= 0 or self.last < 0:
+            return 0
+        st = self.state[self.last]
+        could_come = st == UNMAPPED or (releasing and st == RELEASING)
+        return count * per_page - (per_page - self.sizes[self.last] if could_come else 0)
 
     # -- mapping ----------------------------------------------------------------------------
 
@@ -351,6 +363,17 @@ class ElasticPages:
     def mapped_bytes(self) -> int:
         """Memory mapped per rank (an upper bound: neighbouring pages may share physical pages)."""
         return self.mapped_count * self.page_bytes
+
+
+def review_interval(delay: Clock) -> Clock:
+    """How long a busy engine waits between two reviews of its idle pages: a quarter of the release `delay`.
+
+    A page must stay idle `delay` before it is released, so reviewing more
+    often buys nothing, and reviewing is most of what a step costs an
+    adapter (bench/bench_elastic.py, bench/bench_sglang.py): a page is then
+    released at most 1.25 delays after its last use.
+    """
+    return delay // 4 if isinstance(delay, int) else delay / 4
 
 
 def due_for_release(idle_since: dict[int, Clock], now: Clock, *, reserve: int, delay: Clock, idle: bool,

@@ -192,7 +192,7 @@ def _run_worker(args: argparse.Namespace, layout: Layout) -> int:
     if args.pool:
         try:
             from .pool import attach_worker
-            attach_worker(listener, layout, args.name)
+            attach_worker(listener)
         except ImportError:
             pass
     stopping = started = False

@@ -9,13 +9,16 @@ references per physical page and maps or unmaps a page only on the first or
 last reference. The pages of block 0 (vLLM's null block, and the slot that
 warm-up runs write) are mapped from the start.
 
-The engine reaches the buffers through a link: `LocalLink` when the worker
-runs in the engine's own process (TP = PP = 1), `SocketLink` when workers are
-processes serving the worker listener (one request per worker per change,
-the commands of `kvcached.runtime.pool`, offsets in units of the nominal page
-size: ``offset = group * page_size``). Both are all or nothing: a change that
-fails on one worker is undone on those that made it, and the error reaches
-the engine as `MapError`, which vLLM reports as an engine failure.
+The engine reaches the buffers through a link (`kvcached.runtime.elastic.PageLink`,
+groups as its indices): `LocalLink` when the worker runs in the engine's own
+process (TP = PP = 1), `SocketLink` when workers are processes serving the
+worker listener (one request per worker per change, the commands of
+`kvcached.runtime.pool`, offsets in units of the nominal page size:
+``offset = group * page_size``). A worker serves them through the page server
+every worker serves (`KVBuffer.register`, `kvcached.runtime.ipc.page_server`),
+over its `LocalLink`. Both links are all or nothing: a change that fails on
+one worker is undone on those that made it, and the error reaches the engine
+as `MapError`, which vLLM reports as an engine failure.
 
 CPU pages read as zeros when mapped. CUDA pages come with whatever the
 device held, so the buffer zeroes newly mapped CUDA pages before it
@@ -29,12 +32,13 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from kvcached.node import IpcError, Layout
 from kvcached.runtime.ipc.client import Client
 from kvcached.runtime.ipc.listener import WorkerListener
-from kvcached.runtime.ipc.protocol import CMD_CONFIGURE, CMD_CREATED, CMD_INFO, CMD_MAP, CMD_MAPPED, CMD_UNMAP
+from kvcached.runtime.ipc.page_server import PageServer
+from kvcached.runtime.ipc.protocol import CMD_CONFIGURE, CMD_INFO
 
 from .kvplan import Footprint, PagePlan, agree_blocks_per_page, min_blocks_per_page
 from .pages import DEFAULT_PAGE_SIZE, Pages, PartialUnmapError, as_tensor
@@ -43,7 +47,7 @@ from .pool import BroadcastMapper, MapError
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("kvcached.kvbuffer")
+log = logging.getLogger(__name__)
 
 
 class KVBuffer:
@@ -180,24 +184,11 @@ class KVBuffer:
 
     # -- the worker listener ---------------------------------------------------------
 
-    def register(self, listener: WorkerListener) -> None:
-        """Serve the engine's commands for this buffer on `listener`."""
+    def register(self, listener: WorkerListener) -> PageServer:
+        """Serve the engine's commands for this buffer on `listener`: its own two, and the page server's."""
         listener.register(CMD_INFO, lambda _a: self.info())
         listener.register(CMD_CONFIGURE, lambda a: self.configure(_int(a, "blocks_per_page")))
-        listener.register(CMD_CREATED, lambda _a: {"created": True})
-        listener.register(CMD_MAP, lambda a: self._serve(a, self.map_groups))
-        listener.register(CMD_UNMAP, lambda a: self._serve(a, self.unmap_groups))
-        listener.register(CMD_MAPPED, lambda _a: {"pages": self.mapped_groups(),
-                                                  "mapped_bytes": self.mapped_bytes})
-
-    def _serve(self, args: dict[str, Any], act: Any) -> dict[str, Any]:
-        offsets = args.get("offsets")
-        if not isinstance(offsets, list) or not all(isinstance(o, int) and o >= 0 for o in offsets):
-            raise ValueError("offsets must be a list of non-negative ints")
-        if any(o % self.page_size for o in offsets):
-            raise ValueError(f"offsets must be multiples of the page size {self.page_size}")
-        act([o // self.page_size for o in offsets])
-        return {"mapped_bytes": self.mapped_bytes}
+        return PageServer(listener, LocalLink(self))
 
 
 def _int(args: dict[str, Any], key: str) -> int:
@@ -244,18 +235,6 @@ class LinkSetup:
         return self.pages_per_group * self.page_size
 
 
-class WorkerLink(Protocol):
-    """The engine's way to every worker's KV buffer."""
-
-    def setup(self, num_blocks: int) -> LinkSetup: ...
-
-    def map(self, groups: Sequence[int]) -> None: ...
-
-    def unmap(self, groups: Sequence[int]) -> None: ...
-
-    def mapped(self) -> dict[str, list[int]]: ...
-
-
 def _agree(infos: list[dict[str, Any]], num_blocks: int, where: list[str]) -> int:
     for w, info in zip(where, infos):
         if not info.get("elastic"):
@@ -300,6 +279,27 @@ class LocalLink:
     def mapped(self) -> dict[str, list[int]]:
         """{"local": mapped groups}."""
         return {"local": self.buf.mapped_groups()}
+
+    # What the worker's page server reads (kvcached.runtime.ipc.page_server.ServedPages): a group is an index.
+
+    @property
+    def unit(self) -> int:
+        """Bytes one group stands for in an offset: the nominal page size (``offset = group * page_size``)."""
+        return self.buf.page_size
+
+    @property
+    def extent(self) -> int:
+        """Groups the buffer has."""
+        return self.buf.plan.num_groups
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Physical memory the buffer maps now."""
+        return self.buf.mapped_bytes
+
+    def mapped_indices(self) -> list[int]:
+        """Groups mapped now."""
+        return self.buf.mapped_groups()
 
 
 class SocketLink:

@@ -2,12 +2,15 @@
 
 One page index means the same page in every KV tensor of the deployment (each
 layer's K and V, on every TP rank and PP stage), so the pool keeps one block
-table and a *mapper* applies page changes where the tensors live:
+table and a *mapper* (a `kvcached.runtime.elastic.PageLink`) applies page
+changes where the tensors live:
 
 - `LocalMapper`: the tensors are in this process (TP = 1, or a worker).
 - `BroadcastMapper`: the engine owner with TP > 1 sends ``map_to_kv_tensors``
   / ``unmap_from_kv_tensors`` (byte offsets, like upstream) to every worker
-  listener; `attach_worker` makes a worker apply them to its own tensors.
+  listener; `attach_worker` makes a worker serve them over its own tensors,
+  through the page server the engines' workers serve too
+  (`kvcached.runtime.ipc.page_server`).
 
 The pool obeys the deployment's limit segment (``kvctl limit``): it never maps
 a page that would take the mapped memory past ``total``, and `KVPool.step`
@@ -31,17 +34,18 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from kvcached.node import IpcError, KvcachedError, Layout, read_segment
 from kvcached.runtime.ipc.client import Client
 from kvcached.runtime.ipc.listener import WorkerListener
+from kvcached.runtime.ipc.page_server import PageServer, ServedPages
 from kvcached.runtime.ipc.protocol import CMD_CREATE, CMD_CREATED, CMD_MAP, CMD_MAPPED, CMD_UNMAP
 
-from .elastic import ElasticPages, SegmentLimit
+from .elastic import ElasticPages, PageLink, SegmentLimit
 from .pages import DEFAULT_PAGE_SIZE, Pages
 
-log = logging.getLogger("kvcached.pool")
+log = logging.getLogger(__name__)
 
 
 class PoolExhausted(KvcachedError):
@@ -77,14 +81,6 @@ class Geometry:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Geometry:
         return cls(int(d["num_pages"]), int(d["page_size"]), int(d["num_tensors"]), str(d["device"]))
-
-
-class Mapper(Protocol):
-    """Applies page changes wherever the KV tensors live."""
-
-    def map(self, pages: Sequence[int]) -> None: ...
-
-    def unmap(self, pages: Sequence[int]) -> None: ...
 
 
 class LocalMapper:
@@ -130,6 +126,28 @@ class LocalMapper:
         """Mapped page indices (the same in every tensor)."""
         with self._lock:
             return self.ranges[0].mapped_pages() if self.ranges else []
+
+    # What the worker's page server reads (kvcached.runtime.ipc.page_server.ServedPages).
+
+    @property
+    def unit(self) -> int:
+        """Bytes one page index stands for in an offset: a page of one tensor."""
+        return self.geometry.page_size
+
+    @property
+    def extent(self) -> int:
+        """Page indices the tensors have."""
+        return self.geometry.num_pages
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Memory mapped now, in every tensor together."""
+        with self._lock:
+            return sum(r.mapped_bytes for r in self.ranges)
+
+    def mapped_indices(self) -> list[int]:
+        """Mapped page indices."""
+        return self.mapped_pages()
 
     def close(self) -> None:
         """Release every range (and the memory still mapped in it)."""
@@ -204,70 +222,19 @@ class BroadcastMapper:
         return {p: list(r["pages"]) for p, r in zip(self.paths, self._call_all(CMD_MAPPED))}
 
 
-class WorkerTensors:
-    """A worker's KV tensors, created and changed by the owner over the worker socket."""
-
-    def __init__(self, mapper: LocalMapper | None = None) -> None:
-        self.mapper = mapper
-        self._lock = threading.Lock()
-
-    def register(self, listener: WorkerListener) -> None:
-        """Serve create / created / map / unmap / mapped on `listener`."""
-        listener.register(CMD_CREATE, self._create)
-        listener.register(CMD_CREATED, self._created)
-        listener.register(CMD_MAP, self._map)
-        listener.register(CMD_UNMAP, self._unmap)
-        listener.register(CMD_MAPPED, self._mapped)
-
-    def _create(self, args: dict[str, Any]) -> dict[str, Any]:
-        geometry = Geometry.from_dict(args)
-        with self._lock:
-            if self.mapper is None:
-                self.mapper = LocalMapper(geometry)
-            elif self.mapper.geometry != geometry:
-                raise ValueError(f"KV tensors exist with {self.mapper.geometry}, asked for {geometry}")
-        return {"created": True}
-
-    def _created(self, _args: dict[str, Any]) -> dict[str, Any]:
-        return {"created": self.mapper is not None}
-
-    def _pages(self, args: dict[str, Any]) -> tuple[LocalMapper, list[int]]:
-        mapper = self.mapper
-        if mapper is None:
-            raise ValueError("KV tensors are not created yet")
-        page_size = mapper.geometry.page_size
-        offsets = args.get("offsets")
-        if not isinstance(offsets, list) or not all(isinstance(o, int) for o in offsets):
-            raise ValueError("offsets must be a list of ints")
-        bad = [o for o in offsets if o % page_size]
-        if bad:
-            raise ValueError(f"offsets {bad[:4]} are not multiples of the page size {page_size}")
-        return mapper, [o // page_size for o in offsets]
-
-    def _map(self, args: dict[str, Any]) -> dict[str, Any]:
-        mapper, pages = self._pages(args)
-        mapper.map(pages)
-        return {}
-
-    def _unmap(self, args: dict[str, Any]) -> dict[str, Any]:
-        mapper, pages = self._pages(args)
-        mapper.unmap(pages)
-        return {}
-
-    def _mapped(self, _args: dict[str, Any]) -> dict[str, Any]:
-        return {"pages": self.mapper.mapped_pages() if self.mapper else []}
-
-    def close(self) -> None:
-        if self.mapper is not None:
-            self.mapper.close()
+def attach_worker(listener: WorkerListener) -> PageServer:
+    """Make a worker's listener serve the owner's pool commands over KV tensors the owner has it create."""
+    return PageServer(listener, create=_create_tensors)
 
 
-def attach_worker(listener: WorkerListener, layout: Layout, name: str) -> WorkerTensors:
-    """Make a worker's listener apply the owner's pool commands to this process's KV tensors."""
-    del layout, name  # the listener already knows where it serves; kept for the harness's call
-    tensors = WorkerTensors()
-    tensors.register(listener)
-    return tensors
+def _create_tensors(args: dict[str, Any], current: ServedPages | None) -> LocalMapper:
+    geometry = Geometry.from_dict(args)
+    if current is None:
+        return LocalMapper(geometry)
+    if not isinstance(current, LocalMapper) or current.geometry != geometry:
+        have = getattr(current, "geometry", current)
+        raise ValueError(f"KV tensors exist with {have}, asked for {geometry}")
+    return current  # created again with the same geometry: nothing to do
 
 
 @dataclass(frozen=True)
@@ -307,7 +274,7 @@ class KVPool:
     fast-path alloc (bench/README.md).
     """
 
-    def __init__(self, mapper: Mapper, geometry: Geometry, block_size: int, *,
+    def __init__(self, mapper: PageLink, geometry: Geometry, block_size: int, *,
                  segment_path: str | None = None, prealloc_pages: int = 0,
                  step_interval: float | None = None, publish_interval: float = 0.01) -> None:
         if not 0 < block_size <= geometry.page_size:

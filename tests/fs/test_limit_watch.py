@@ -61,12 +61,12 @@ def _fds_on(*files: tuple[int, int]) -> list[str]:
 
 
 def test_sglang_rank0_source_waits_for_the_segment_and_survives_a_planted_file(tmp_path, caplog) -> None:
-    # elastic_step imports no SGLang: rank 0's source is tested here, where no SGLang install is needed.
-    from kvcached.integration.sglang.elastic_step import SegmentLimit
+    # elastic_ranks imports no SGLang: rank 0's source is tested here, where no SGLang install is needed.
+    from kvcached.integration.sglang.elastic_ranks import limit_source
 
     path = str(tmp_path / "seg")
-    source = SegmentLimit(path)
-    with caplog.at_level("WARNING", logger="kvcached.integration.sglang.elastic"):
+    source = limit_source(path)
+    with caplog.at_level("WARNING", logger="kvcached.integration.sglang.elastic_ranks"):
         assert source.read() is None and source.read() is None  # no segment yet: SGLang's capacity alone
     assert len([r for r in caplog.records if "no limit segment" in r.getMessage()]) == 1  # warned once
     create_segment(path, 4096)
@@ -79,7 +79,7 @@ def test_sglang_rank0_source_waits_for_the_segment_and_survives_a_planted_file(t
     assert _fds_on(segment) == []
     os.unlink(path)
     os.mkfifo(path)  # planted where the segment was: opened without blocking, refused, and closed again
-    planted = SegmentLimit(path)
+    planted = limit_source(path)
     assert planted.read() is None and planted.read() is None
     st = os.stat(path)
     assert _fds_on((st.st_dev, st.st_ino)) == []
@@ -118,12 +118,12 @@ def test_a_mapped_watch_follows_the_limit_a_truncation_and_a_replacement(tmp_pat
 
 def test_the_engines_map_their_limit_when_the_extension_is_built(tmp_path) -> None:
     from kvcached.integration.limits import limit_mapper
-    from kvcached.integration.sglang.elastic_step import SegmentLimit
+    from kvcached.integration.sglang.elastic_ranks import limit_source
 
     assert limit_mapper() is _mapper()
     path = str(tmp_path / "seg")
     create_segment(path, 4096)
-    source = SegmentLimit(path)
+    source = limit_source(path)
     assert source.read() == 4096
     assert source._watch is not None and source._watch.mapped
     source.close()

@@ -22,6 +22,7 @@ from kvcached.runtime.elastic import (  # noqa: E402
     ElasticPages,
     SegmentLimit,
     due_for_release,
+    review_interval,
 )
 from kvcached.runtime.pages import Pages  # noqa: E402
 
@@ -243,3 +244,34 @@ def test_the_limit_follows_the_segment_and_warns_once_per_outage(tmp_path, caplo
 ])
 def test_due_for_release(since, now, reserve, idle, over, due) -> None:
     assert due_for_release(since, now, reserve=reserve, delay=5, idle=idle, over=over) == due
+
+
+def test_review_interval_is_a_quarter_of_the_delay_in_the_delays_own_unit() -> None:
+    assert review_interval(1.0) == 0.25 and isinstance(review_interval(1.0), float)  # vLLM: seconds
+    assert review_interval(10**9 + 3) == 250_000_000 and isinstance(review_interval(10**9), int)  # SGLang: ns
+
+
+def test_spare_units_count_whole_pages_and_the_last_one_short_only_while_it_could_come(link) -> None:
+    # Pages of 4 units, the last holding 1: what vLLM's block pool has for a cache of 29 blocks.
+    book = _book(link, [0, 1], sizes=[4] * (NUM - 1) + [1])
+    assert book.last == NUM - 1
+    assert book.spare_units(2, 4, releasing=False) == 8 - 3  # the last page could be among the 2: count it short
+    assert book.spare_units(99, 4, releasing=False) == 6 * 4 - 3  # at most the 6 unmapped pages
+    assert book.spare_units(0, 4, releasing=False) == 0 and book.spare_units(-1, 4, releasing=False) == 0
+    assert book.grow(6 * 4 - 3, exact=True) == ([], [2, 3, 4, 5, 6, 7])
+    assert book.spare_units(3, 4, releasing=False) == 0  # nothing unmapped is left
+    book.release([7, 6], seq=1)
+    # Pages being released come back first (vLLM counts them): 6 whole, and the last, short while it is one.
+    assert book.spare_units(2, 4, releasing=True) == 8 - 3
+    assert book.spare_units(2, 4, releasing=False) == 0  # SGLang counts releasing units apart: none unmapped
+    book.unmap_released(1)
+    assert book.spare_units(1, 4, releasing=False) == 4 - 3  # the last page is unmapped again: still short
+
+
+def test_spare_units_of_a_range_whose_first_page_holds_fewer(link) -> None:
+    # SGLang's groups: the first holds one id fewer (its padding slot), the last is short, past it none.
+    book = _book(link, [0], sizes=[3, 4, 4, 2, 0, 0, 0, 0])
+    assert book.last == 3
+    assert book.spare_units(2, 4, releasing=False) == 8 - 2  # the short last page is among what could come
+    assert book.spare_units(3, 4, releasing=False) == 4 + 4 + 2  # every unmapped page holding units: exact
+    assert sorted(book.unmapped) == [1, 2, 3]  # pages holding no unit are never offered

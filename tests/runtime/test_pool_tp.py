@@ -62,7 +62,7 @@ from kvcached.node.base.layout import Layout
 from kvcached.runtime.pool import attach_worker
 root, name, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 listener = WorkerListener(Layout(root), name, rank)
-attach_worker(listener, listener.layout, name)
+attach_worker(listener)
 listener.start()
 signal.signal(signal.SIGTERM, lambda *_: (listener.stop(), sys.exit(0)))
 print("ready", flush=True)

@@ -35,7 +35,7 @@ def mha_pool(elastic: bool, size: int, page_size: int = 1, **kw: Any) -> Any:
     """The elastic MHA pool, or SGLang's own."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from kvcached.integration.sglang.elastic_pool import ElasticMHATokenToKVPool
+    from kvcached.integration.sglang.elastic_buffers import ElasticMHATokenToKVPool
 
     cls = ElasticMHATokenToKVPool if elastic else MHATokenToKVPool
     return cls(size=size, page_size=page_size, dtype=torch.float16, head_num=HEADS, head_dim=HEAD_DIM,

@@ -84,7 +84,7 @@ def test_an_mla_dsa_pool_keeps_sglangs_own_buffers(caplog) -> None:
     import torch
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
-    from kvcached.integration.sglang.elastic_pool import ElasticMLATokenToKVPool
+    from kvcached.integration.sglang.elastic_buffers import ElasticMLATokenToKVPool
 
     assert issubclass(ElasticMLATokenToKVPool, MLATokenToKVPool)
     with caplog.at_level(logging.WARNING, logger="kvcached"):

@@ -33,7 +33,7 @@ RANK = textwrap.dedent("""
     dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world)
     group = dist.new_group(ranks=list(range(world)), backend="gloo")
 
-    from kvcached.integration.sglang.elastic_step import SegmentLimit
+    from kvcached.integration.sglang.elastic_ranks import limit_source
     from tests.sglang import elastic_support as es
 
 
@@ -49,7 +49,7 @@ RANK = textwrap.dedent("""
     pool = es.mha_pool(True, size)
     alloc = es.allocator(pool, True, size)
     driver = es.Driver(alloc, es.radix_cache(alloc))
-    alloc.attach(TP(), SegmentLimit(seg) if rank == 0 else SegmentLimit(locate=no_way_to_it))
+    alloc.attach(TP(), limit_source(seg) if rank == 0 else limit_source(locate=no_way_to_it))
     steps = []
     driver.after_boundary = lambda d: steps.append(
         [alloc.stats().mapped_groups, pool.elastic.pages.mapped_pages(), alloc.max_groups])

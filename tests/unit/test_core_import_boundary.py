@@ -40,7 +40,7 @@ ALLOWED_IN_FUNCTIONS = {
 # so, and why): subclasses of the engine's classes.
 ENGINE_SIDE = {"kvcached.integration.vllm.elastic_alloc": "vllm",
                "kvcached.integration.sglang.elastic_alloc": "sglang",
-               "kvcached.integration.sglang.elastic_pool": "sglang"}
+               "kvcached.integration.sglang.elastic_buffers": "sglang"}
 
 
 def modules(package) -> list[str]:  # type: ignore[no-untyped-def]

@@ -98,7 +98,7 @@ def test_shared_pages_when_groups_do_not_align() -> None:
     assert set(plan.pages_of(0)) & set(plan.pages_of(1))  # neighbours share a boundary page
     assert plan.max_pages_per_group() == 6  # two pages per layer, at most
     # Layer regions that do not start on a page (37 blocks of 16 KiB) make groups share across
-    # layers: the elastic-kv patch (vllm/kvlayout.py) pads such regions to whole pages before laying the views out.
+    # layers: the elastic-kv patch (vllm/elastic_buffers.py) pads such regions to whole pages before laying out views.
     odd = PagePlan(CASES["layer-outer, odd block count"], P, 4)
     assert set(odd.pages_of(0)) & set(odd.pages_of(1))
 

@@ -1,4 +1,4 @@
-"""Whole vLLM 0.33 serves, each in its own session, built from vLLM's own classes (see vllm_fakes).
+"""Whole vLLM 0.33 serves, each in its own session, built from vLLM's own classes (see fakes.py).
 
 A serve is a child forked from the test process (vLLM is imported once, so a
 serve starts in about a second), made a session leader, so the test can send
@@ -150,7 +150,7 @@ def _owner_main(conn: Any, shape: Shape, root: str, name: str, patched: bool, en
     from kvcached.integration.vllm.patches import REGISTRY
     from kvcached.node.base import name_rules
 
-    from . import vllm_fakes
+    from . import fakes
 
     # Whatever the test process had applied: this serve loads kvcached as vLLM
     # does, through its plugin loader and the installed entry point.
@@ -160,8 +160,8 @@ def _owner_main(conn: Any, shape: Shape, root: str, name: str, patched: bool, en
     vllm.plugins.load_general_plugins()
     if not shape.dp_names:
         name_rules.dp_rank_name = common.dp_rank_name = lambda base, rank: base  # type: ignore[assignment]
-    vllm_fakes.install_engine()
-    cfg = vllm_fakes.ServeConfig(tp=shape.tp, pp=shape.pp, dp=shape.dp, backend=shape.backend,
+    fakes.install_engine()
+    cfg = fakes.ServeConfig(tp=shape.tp, pp=shape.pp, dp=shape.dp, backend=shape.backend,
                                  worker_start=shape.worker_start)
     executor = Executor.get_class(cfg)
     client: Any

@@ -1,25 +1,24 @@
-"""The scheduler side: each SGLang scheduler serves its worker socket, rank 0 claims the segment, both given back.
+"""The scheduler's claim: rank 0 claims its DP rank's segment, publishes its KV pool, and every scheduler gives back.
 
 SGLang runs one scheduler process per (PP, TP) rank of each DP rank, and each
 builds its own KV pool: a scheduler is both what vLLM calls an engine and a
-worker. So, right after `configure_scheduler_process` (this process's ranks
-are published, the Scheduler and its KV pool not yet built):
+worker (its socket: `worker_listener.py`). So:
 
-- `sglang-listener`: every scheduler serves `[pp<k>/]w<r>.sock` of its DP
-  rank's IPC name (`<name>_dp<d>` with DP ranks), `r` its index among its DP
-  rank's TP ranks;
-- `sglang-segment`: TP rank 0 of PP stage 0 of each DP rank claims the DP
-  rank's segment (`KVCACHED_LIMIT`, else SGLang's `mem_fraction_static` of one
+- `sglang-segment`: right after `configure_scheduler_process` (this
+  process's ranks are published, the Scheduler and its KV pool not yet
+  built), TP rank 0 of PP stage 0 of each DP rank claims the DP rank's
+  segment (`KVCACHED_LIMIT`, else SGLang's `mem_fraction_static` of one
   device) and holds its lease for life; once the Scheduler is built
   (`Scheduler.get_init_info`, its ready message) it publishes the KV pool's
   bytes and follows the allocator's usage;
 - `sglang-scheduler-stop`: on the graceful path (`ShutdownReq` reaches
   `Scheduler.handle_shutdown`) and at the process's normal exit (`atexit`),
-  the scheduler gives both back: the socket, the lease, the segment.
+  the scheduler gives back what it holds: the socket, the lease, the segment.
 
-What a scheduler holds is `kvcached.integration.engine_claim.EngineState`. A
-scheduler dies at once on a process-group SIGTERM and is SIGKILLed on every
-other stop path: the owner (`owner.py`) removes what it left.
+What a scheduler holds is `kvcached.integration.engine_claim.EngineState`
+(made once per process: `common.scheduler_engine`). A scheduler dies at once
+on a process-group SIGTERM and is SIGKILLed on every other stop path: the
+owner (`owner.py`) removes what it left.
 """
 
 from __future__ import annotations
@@ -31,94 +30,32 @@ import weakref
 from typing import Any
 
 from ..patchkit import Changes, Patch, ShapeError, argument, params, source
-from .common import M_RUNTIME, M_SCHEDULER, engine_name, module, scheduler_ranks, stand_aside
+from .common import CONFIGURE, M_SCHEDULER, SCHEDULER, module, probe_configure, scheduler_engine
 
-log = logging.getLogger("kvcached.integration.sglang")
+log = logging.getLogger(__name__)
 
 _GB = 1 << 30  # SGLang's GB: its pools' `mem_usage` is in these
-# This process's scheduler state; a container, not a module-level alias of anything SGLang's hook
-# registry could rebind.
-_HERE: dict[str, Any] = {}
-
-
-def probe_configure() -> Any:
-    """The scheduler module, when `configure_scheduler_process` runs after plugins load and after the ranks."""
-    mod = module(M_SCHEDULER)
-    configure = getattr(mod, "configure_scheduler_process", None)
-    run = getattr(mod, "run_scheduler_process", None)
-    if configure is None or run is None:
-        raise ShapeError("sglang.srt.managers.scheduler lacks configure_scheduler_process or run_scheduler_process")
-    if params(configure)[:2] != ["server_args", "gpu_id"]:
-        raise ShapeError("configure_scheduler_process no longer takes (server_args, gpu_id, ...)")
-    src = source(run) or ""
-    calls = [src.find(s) for s in ("load_plugins()", "publish(", "configure_scheduler_process(")]
-    if -1 in calls or sorted(calls) != calls:
-        raise ShapeError("run_scheduler_process no longer loads plugins, publishes its ranks, then calls "
-                         "configure_scheduler_process")
-    if not callable(getattr(module(M_RUNTIME), "get_parallel", None)):
-        raise ShapeError("sglang.srt.runtime_context has no get_parallel()")
-    return mod
-
-
-def scheduler_engine() -> Any:
-    """This scheduler's EngineState (made once, its name and ranks fixed); None where kvcached stands aside."""
-    if "engine" in _HERE:
-        return _HERE["engine"]
-    _HERE["engine"] = None
-    if stand_aside("scheduler") is not None:
-        return None
-    from .. import layout_from_env
-    from ..engine_claim import EngineState, register
-
-    ranks = scheduler_ranks()
-    engine = EngineState(layout_from_env(), engine_name(ranks.dp_rank))
-    register(engine)
-    _HERE.update(engine=engine, ranks=ranks)
-    return engine
-
-
-def _serve(wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    result = wrapped(*args, **kwargs)
-    try:
-        engine = scheduler_engine()
-        if engine is not None:
-            ranks = _HERE["ranks"]
-            engine.serve(ranks.local_tp_rank, ranks.pp_rank)
-    except Exception as e:
-        log.warning("kvcached: scheduler socket not served: %s", e)
-    return result
-
-
-def _device_total(gpu_id: int) -> int | None:
-    """One device's total memory: SGLang's platform's answer, else the host's (the CPU device's KV is host memory)."""
-    try:
-        from sglang.srt.platforms import current_platform
-
-        return int(current_platform.get_device_total_memory(gpu_id))
-    except Exception:
-        pass
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().total)
-    except Exception:
-        return None
 
 
 def scheduler_limit(server_args: Any, gpu_id: int) -> Any:
     """The limit rank 0 claims with: KVCACHED_LIMIT, else SGLang's `mem_fraction_static` of one device."""
-    from ..limits import resolve_limit
+    from ..limits import device_memory, resolve_limit
+
+    def platform_total() -> int:
+        from sglang.srt.platforms import current_platform
+
+        return int(current_platform.get_device_total_memory(gpu_id))
 
     share = getattr(server_args, "mem_fraction_static", None)
     share = share if isinstance(share, float) and 0 < share <= 1 else 0.9
-    return resolve_limit(lambda: _device_total(gpu_id), share)
+    return resolve_limit(lambda: device_memory(platform_total), share)
 
 
 def _claim(wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     try:
         engine = scheduler_engine()
-        if engine is not None and _HERE["ranks"].claims:
+        if engine is not None and SCHEDULER["ranks"].claims:
             gpu = argument(wrapped, args, kwargs, "gpu_id")
             engine.claim(scheduler_limit(argument(wrapped, args, kwargs, "server_args"),
                                          gpu if isinstance(gpu, int) else 0))
@@ -139,7 +76,7 @@ def kv_bytes(allocator: Any) -> int:
 def _ready(wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
     try:
-        engine = _HERE.get("engine")
+        engine = SCHEDULER.get("engine")
         allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
         total = getattr(scheduler, "max_total_num_tokens", None)
         if engine is not None and engine.segment is not None and allocator is not None and total:
@@ -163,11 +100,6 @@ def probe_ready() -> Any:
     return cls
 
 
-def install_listener(changes: Changes, mod: Any) -> None:
-    """Serve the scheduler's socket once configure_scheduler_process has published its ranks."""
-    changes.wrap(mod, "configure_scheduler_process", _serve)
-
-
 def probe_segment() -> tuple[Any, Any]:
     """(the scheduler module, its Scheduler) when both hooks of the segment have their known shapes."""
     return probe_configure(), probe_ready()
@@ -182,7 +114,7 @@ def install_segment(changes: Changes, found: tuple[Any, Any]) -> None:
 
 def give_back() -> None:
     """Stop serving, drop the lease, remove the segment (rank 0) unless another holds it. Idempotent; never raises."""
-    engine = _HERE.get("engine")
+    engine = SCHEDULER.get("engine")
     if engine is not None:
         engine.release()
 
@@ -216,19 +148,10 @@ def install_stop(changes: Changes, cls: Any) -> None:
     changes.on_undo(lambda: atexit.unregister(give_back))
 
 
-_CONFIGURE = f"{M_SCHEDULER}:configure_scheduler_process"
-
-LISTENER = Patch(
-    name="sglang-listener",
-    does="every scheduler serves [pp<k>/]w<r>.sock of its DP rank's name, from configure_scheduler_process on",
-    targets=(_CONFIGURE,),
-    probe=probe_configure,
-    install=install_listener,
-)
 SEGMENT = Patch(
     name="sglang-segment",
     does="TP rank 0 of PP stage 0 of each DP rank claims its segment and publishes its KV pool's usage",
-    targets=(_CONFIGURE, f"{M_SCHEDULER}:Scheduler.get_init_info"),
+    targets=(CONFIGURE, f"{M_SCHEDULER}:Scheduler.get_init_info"),
     probe=probe_segment,
     install=install_segment,
 )
@@ -240,4 +163,4 @@ STOP = Patch(
     install=install_stop,
 )
 
-PATCHES = (LISTENER, SEGMENT, STOP)
+PATCHES = (SEGMENT, STOP)

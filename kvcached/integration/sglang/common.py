@@ -13,8 +13,9 @@ from typing import Any
 
 from ... import settings
 from ...node import dp_rank_name, ipc_name_from_env
+from ..patchkit import ShapeError, params, source
 
-log = logging.getLogger("kvcached.integration.sglang")
+log = logging.getLogger(__name__)
 
 PLUGIN_NAME = "kvcached"  # the entry point's name in group sglang.srt.plugins
 TAG = "SGLang"  # the tag of our default IPC name, kvcached_SGLang_<PGID> (docs/NODE.md §1), as upstream's
@@ -25,6 +26,15 @@ M_COMMON = "sglang.srt.utils.common"
 M_TOKENIZER = "sglang.srt.managers.tokenizer_manager"
 M_RUNTIME = "sglang.srt.runtime_context"
 M_ENVIRON = "sglang.srt.environ"
+# What sglang-elastic-kv changes beside them.
+M_PLATFORM = "sglang.srt.platforms.interface"
+M_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator"
+M_POOL = "sglang.srt.mem_cache.memory_pool"
+M_ALLOCATOR = "sglang.srt.mem_cache.allocator"
+M_BUDGET = "sglang.srt.mem_cache.prefill_budget"
+
+# Where a scheduler's ranks are first known: the worker listener and the segment patches both hook it.
+CONFIGURE = f"{M_SCHEDULER}:configure_scheduler_process"
 
 
 def module(name: str) -> Any:
@@ -135,3 +145,46 @@ def stand_aside(where: str) -> str | None:
         _said.add(why)
         log.info("kvcached: SGLang %s stands aside: %s", where, why)
     return why
+
+
+# -- one scheduler process: what the worker listener and the claim share ------------------------------
+
+# This process's scheduler state (its EngineState and ranks); a container, not a module-level alias of
+# anything SGLang's hook registry could rebind.
+SCHEDULER: dict[str, Any] = {}
+
+
+def probe_configure() -> Any:
+    """The scheduler module, when `configure_scheduler_process` runs after plugins load and after the ranks."""
+    mod = module(M_SCHEDULER)
+    configure = getattr(mod, "configure_scheduler_process", None)
+    run = getattr(mod, "run_scheduler_process", None)
+    if configure is None or run is None:
+        raise ShapeError("sglang.srt.managers.scheduler lacks configure_scheduler_process or run_scheduler_process")
+    if params(configure)[:2] != ["server_args", "gpu_id"]:
+        raise ShapeError("configure_scheduler_process no longer takes (server_args, gpu_id, ...)")
+    src = source(run) or ""
+    calls = [src.find(s) for s in ("load_plugins()", "publish(", "configure_scheduler_process(")]
+    if -1 in calls or sorted(calls) != calls:
+        raise ShapeError("run_scheduler_process no longer loads plugins, publishes its ranks, then calls "
+                         "configure_scheduler_process")
+    if not callable(getattr(module(M_RUNTIME), "get_parallel", None)):
+        raise ShapeError("sglang.srt.runtime_context has no get_parallel()")
+    return mod
+
+
+def scheduler_engine() -> Any:
+    """This scheduler's EngineState (made once, its name and ranks fixed); None where kvcached stands aside."""
+    if "engine" in SCHEDULER:
+        return SCHEDULER["engine"]
+    SCHEDULER["engine"] = None
+    if stand_aside("scheduler") is not None:
+        return None
+    from .. import layout_from_env
+    from ..engine_claim import EngineState, register
+
+    ranks = scheduler_ranks()
+    engine = EngineState(layout_from_env(), engine_name(ranks.dp_rank))
+    register(engine)
+    SCHEDULER.update(engine=engine, ranks=ranks)
+    return engine

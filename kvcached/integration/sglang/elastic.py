@@ -1,7 +1,7 @@
 """The `sglang-elastic-kv` patch: elastic KV memory inside SGLang 0.5.23 (on with ``KVCACHED_ELASTIC=1``).
 
 Off, nothing here is applied and SGLang allocates its KV cache as it always
-does. On, five points change, each found by its shape (docs/SGLANG.md):
+does. On, four points change, each found by its shape (docs/SGLANG.md):
 
 1. `KVCacheConfigurator.configure`: when the configurator builds a plain
    pool (no draft worker, sliding window, hybrid linear attention, KV
@@ -13,19 +13,20 @@ does. On, five points change, each found by its shape (docs/SGLANG.md):
    for a shape the checks missed) has its whole range mapped (`settle`), so
    no allocator of SGLang's can ever write where nothing is mapped.
 2. `SRTPlatform.get_kv_pool_cls`: for kinds ``mha`` and ``mla``, where the
-   platform itself answers None, the elastic pool classes (`elastic_pool`).
+   platform itself answers None, the elastic pool classes (`elastic_buffers`).
 3. `SRTPlatform.get_paged_allocator_cls`, and the name `TokenToKVPoolAllocator`
    the configurator builds page size 1 with: the elastic allocators
    (`elastic_alloc`), which build SGLang's own class for a pool that is not
    elastic.
 4. `Scheduler.get_next_batch_to_run`: before each pick, on every TP rank in
    the same order, the allocator's step boundary (`_ElasticIds.step`): the
-   limit agreed across the TP group, released groups unmapped.
+   limit agreed across the TP group (`elastic_ranks`), released groups unmapped.
 
 The limit is the deployment's segment: the one TP rank 0 claimed (the
-serve side's `sglang-segment`, read through `engine_state`), else
+serve side's `sglang-segment`), else
 ``layout_from_env().segment_path(<name>[_dp<rank>])``, picked up once it
-exists; until then the pool is limited by SGLang's own capacity only.
+exists (`engine_elastic.segment_to_follow`); until then the pool is limited
+by SGLang's own capacity only.
 """
 
 from __future__ import annotations
@@ -37,18 +38,12 @@ from typing import Any
 
 from ... import settings
 from ..patchkit import Changes, NotCovered, Patch, original, params, require, source
+from .common import M_ALLOCATOR, M_BUDGET, M_CONFIGURATOR, M_PLATFORM, M_POOL, M_SCHEDULER
 
-log = logging.getLogger("kvcached.integration.sglang.elastic")
+log = logging.getLogger(__name__)
 
 #: The serve side's patch that claims the segment on TP rank 0 (the limit is read from it).
 SEGMENT_PATCH = "sglang-segment"
-
-M_PLATFORM = "sglang.srt.platforms.interface"
-M_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator"
-M_SCHEDULER = "sglang.srt.managers.scheduler"
-M_POOL = "sglang.srt.mem_cache.memory_pool"
-M_ALLOCATOR = "sglang.srt.mem_cache.allocator"
-M_BUDGET = "sglang.srt.mem_cache.prefill_budget"
 
 
 def switch() -> str | None:
@@ -173,7 +168,7 @@ def _configure(wrapped: Any, configurator: Any, args: tuple[Any, ...], kwargs: d
     if why is not None:
         log.info("kvcached: this SGLang KV pool stays SGLang's, not elastic: %s", why)
         return wrapped(*args, **kwargs)
-    pool = importlib.import_module(".elastic_pool", __package__)
+    pool = importlib.import_module(".elastic_buffers", __package__)
     with pool.building() as made:
         result = wrapped(*args, **kwargs)
     pool.settle(made, getattr(result, "token_to_kv_pool_allocator", None))
@@ -210,7 +205,7 @@ def _next_batch(wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: dic
 
 def install(changes: Changes, mods: dict[str, Any]) -> None:
     """Wrap the configurator, the platform's two hooks, the page-size-1 allocator's name and the scheduler's pick."""
-    pool = importlib.import_module(".elastic_pool", __package__)
+    pool = importlib.import_module(".elastic_buffers", __package__)
     alloc = importlib.import_module(".elastic_alloc", __package__)
     _classes.update(pools=pool.POOL_CLASSES, in_building=pool.in_building, paged=alloc.ElasticPagedAllocator,
                     token=alloc.ElasticTokenAllocator, ids=alloc._ElasticIds)

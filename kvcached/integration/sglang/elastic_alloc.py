@@ -1,7 +1,7 @@
 """SGLang's token allocators over an elastic pool: ids of mapped groups first, groups mapped on demand, under the limit.
 
 The `sglang-elastic-kv` patch builds them for the elastic pools of
-`elastic_pool` (the paged allocator through the platform hook
+`elastic_buffers` (the paged allocator through the platform hook
 `get_paged_allocator_cls`, page size 1 where SGLang's configurator builds
 `TokenToKVPoolAllocator` by name). Being subclasses of SGLang's allocators,
 this module imports SGLang at import.
@@ -26,7 +26,7 @@ unchanged; this adds:
   evicts or retracts as it does in front of a full pool, and never reaches
   an allocation that would fail;
 - at each step boundary (`step`, before the scheduler picks its next batch):
-  the limit agreed across the TP group (`elastic_step`), groups with no live
+  the limit agreed across the TP group (`elastic_ranks`), groups with no live
   token released once they stayed free `release_delay` (at once when the
   scheduler is idle or over the limit; the lowest `reserve` free groups stay
   mapped), their ids taken out of the free list, and their memory unmapped
@@ -48,10 +48,10 @@ release delay while requests run (`bench/bench_sglang.py`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from time import monotonic_ns
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
@@ -59,12 +59,16 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 from sglang.srt.utils import get_num_new_pages
 
-from ... import settings
-from ...runtime.elastic import DRAINING, MAPPED, RELEASING, UNMAPPED, ElasticPages, due_for_release
-from .elastic_pool import _ElasticBuffers
-from .elastic_step import Agreed, Agreement, SegmentLimit, TPGroup
+from ...runtime.elastic import DRAINING, MAPPED, RELEASING, UNMAPPED, ElasticPages, due_for_release, review_interval
+from ...runtime.kvbuffer import LocalLink
+from ..engine_elastic import release_settings
+from .elastic_buffers import _ElasticBuffers
+from .elastic_ranks import Agreed, Agreement, TPGroup
 
-log = logging.getLogger("kvcached.integration.sglang.elastic")
+if TYPE_CHECKING:
+    from ...runtime.elastic import SegmentLimit
+
+log = logging.getLogger(__name__)
 
 
 def _never() -> bool:
@@ -134,16 +138,16 @@ class _ElasticIds:
         top = size // page_size  # the highest id SGLang hands out
         # Id 0 (the padding slot) and ids past `top` (rows the pool has beyond the allocator's) are never free.
         self.group_len = [max(0, min((i + 1) * g, top + 1) - max(i * g, 1)) for i in range(n)]
-        self._last = max(i for i in range(n) if self.group_len[i] > 0)
         self.group_bytes = plan.max_pages_per_group() * buf.page_size
         # The groups' books (states, mapped, released at a boundary, the limit) are the elastic core's.
-        self.groups = ElasticPages(_GroupLink(buf), self.group_len, self.group_bytes, buf.mapped_groups())
+        self.groups = ElasticPages(LocalLink(buf), self.group_len, self.group_bytes, buf.mapped_groups())
         self._empty_since: dict[int, int] = {}  # mapped groups with no live id -> since (agreed clock)
         self._draining: set[int] = set()
         self._outside = 0  # free ids of unmapped and releasing groups (in no list)
         self._parked = torch.empty((0,), dtype=torch.int64, device=device)  # free ids of draining groups
-        self.reserve = max(0, settings.ELASTIC_RESERVE_PAGES.get())
-        self.release_delay_ns = int(settings.ELASTIC_RELEASE_DELAY_S.get() * 1e9)
+        release = release_settings()
+        self.reserve = release.reserve
+        self.release_delay_ns = int(release.delay_s * 1e9)  # the agreed clock counts nanoseconds
         self._review_at = 0  # the agreed clock at which the next review is due (0: at the first boundary)
         self._was_idle = False
         self.step_seq = 0
@@ -244,15 +248,8 @@ class _ElasticIds:
         if allowed < 0 or self.frozen:
             self._spare = 0
             return
-        unmapped = len(groups.unmapped)
-        k = min(allowed, unmapped)
-        if k == unmapped:
-            extra = self._outside - groups.releasing_units
-        else:  # the k lowest unmapped groups hold k full groups, unless the short last one is among them
-            last = self._last
-            short = self.ids_per_group - self.group_len[last] if groups.state[last] == UNMAPPED else 0
-            extra = max(0, k * self.ids_per_group - short)
-        self._spare = groups.releasing_units + extra
+        # Groups being released are mapped already: all of theirs come back, and `allowed` new ones on top.
+        self._spare = groups.releasing_units + groups.spare_units(allowed, self.ids_per_group, releasing=False)
 
     def _grow(self, short: int) -> bool:
         """Add at least `short` ids to the free list: released groups taken back first, then new ones mapped."""
@@ -340,7 +337,7 @@ class _ElasticIds:
 
     def _review(self, now: int, idle: bool) -> None:
         """Release the groups that hold no live id and are due; drain the excess over the limit."""
-        self._review_at = now + self.release_delay_ns // 4
+        self._review_at = now + review_interval(self.release_delay_ns)
         if self._draining:
             self._park(self._draining)
         counts = self._census()
@@ -437,21 +434,6 @@ class _ElasticIds:
                             tuple(sorted(self._draining)),
                             self.max_groups, self.group_bytes, buf.mapped_bytes,
                             self.available_ids() * self.page_size, self.schedulable_size())
-
-
-class _GroupLink:
-    """The pool's range as the elastic core's link: map and unmap by group."""
-
-    def __init__(self, buf: Any) -> None:
-        self.buf = buf
-
-    def map(self, groups: Sequence[int]) -> None:
-        """Map `groups` in every layer, all or nothing."""
-        self.buf.map_groups(groups)
-
-    def unmap(self, groups: Sequence[int]) -> None:
-        """Unmap `groups` in every layer."""
-        self.buf.unmap_groups(groups)
 
 
 class ElasticTokenAllocator(_ElasticIds, TokenToKVPoolAllocator):

@@ -38,7 +38,7 @@ from ... import settings
 from ..patchkit import Changes, Patch, ShapeError, argument, params, source
 from .common import M_COMMON, M_ENGINE, M_RUNTIME, module, serve_names, stand_aside
 
-log = logging.getLogger("kvcached.integration.sglang")
+log = logging.getLogger(__name__)
 
 # The owners of this process (an offline script may start several Engines, one after another); a container.
 _OWNERS: list[Any] = []

@@ -16,13 +16,14 @@ import logging
 from collections.abc import Sequence
 
 from ..patchkit import Patch, Registry
-from .claim import PATCHES as SCHEDULER
+from .claim import PATCHES as CLAIM
 from .elastic import PATCHES as ELASTIC
 from .owner import PATCHES as OWNER
+from .worker_listener import PATCHES as LISTENER
 
-log = logging.getLogger("kvcached.integration.sglang")
+log = logging.getLogger(__name__)
 
-PATCHES: tuple[Patch, ...] = (*SCHEDULER, *OWNER, *ELASTIC)
+PATCHES: tuple[Patch, ...] = (*LISTENER, *CLAIM, *OWNER, *ELASTIC)
 
 REGISTRY = Registry("SGLang", PATCHES, log)
 

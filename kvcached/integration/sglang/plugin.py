@@ -30,7 +30,7 @@ from types import ModuleType
 
 from .. import Once, run_once
 
-log = logging.getLogger("kvcached.integration.sglang")
+log = logging.getLogger(__name__)
 
 _once = Once()
 

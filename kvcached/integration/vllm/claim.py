@@ -29,13 +29,13 @@ from .common import (
     params,
 )
 
-log = logging.getLogger("kvcached.integration.vllm")
+log = logging.getLogger(__name__)
 
 WORKERS_ATTR = "_kvcached_workers"  # on a MultiprocExecutor: the EngineOwner of its worker processes
 
 
 @dataclass(frozen=True)
-class Found:
+class ClaimTargets:
     """The classes this patch wraps."""
 
     uni: Any  # UniProcExecutor
@@ -44,7 +44,7 @@ class Found:
     kv_manager: Any  # KVCacheManager
 
 
-def probe() -> Found:
+def probe() -> ClaimTargets:
     """vLLM's executors and KV cache manager, when their shapes are the ones this patch knows."""
     uni = getattr(module(M_UNIPROC), "UniProcExecutor", None)
     mp = getattr(module(M_EXECUTOR), "MultiprocExecutor", None)
@@ -62,33 +62,23 @@ def probe() -> Found:
         raise ShapeError("an executor overrides initialize_from_config")
     if not isinstance(getattr(kv_manager, "usage", None), property):
         raise ShapeError("KVCacheManager.usage is no longer a property")
-    return Found(uni, mp, base, kv_manager)
+    return ClaimTargets(uni, mp, base, kv_manager)
 
 
-def _device_total() -> int | None:
-    """One device's total memory, without creating a CUDA context in the engine process."""
-    try:
-        from vllm.platforms import current_platform
+def _platform_total() -> int:
+    """One device's total memory as vLLM's platform reads it: NVML on CUDA, so the engine process gets no context."""
+    from vllm.platforms import current_platform
 
-        return int(current_platform.get_device_total_memory(0))  # NVML on CUDA: no context
-    except Exception:
-        pass
-    try:
-        import psutil
-
-        # No GPU platform (vLLM's CPU backend, tests): the KV cache lives in host memory.
-        return int(psutil.virtual_memory().total)
-    except Exception:
-        return None
+    return int(current_platform.get_device_total_memory(0))
 
 
 def engine_limit(vllm_config: Any) -> Any:
     """The limit this engine claims with (KVCACHED_LIMIT, else vLLM's memory share of one device)."""
-    from ..limits import resolve_limit
+    from ..limits import device_memory, resolve_limit
 
     share = getattr(getattr(vllm_config, "cache_config", None), "gpu_memory_utilization", 0.9)
     share = share if isinstance(share, float) and 0 < share <= 1 else 0.9
-    return resolve_limit(_device_total, share)
+    return resolve_limit(lambda: device_memory(_platform_total), share)
 
 
 def start_engine(executor: Any, *, serve: bool) -> Any:
@@ -209,7 +199,7 @@ def _kv_manager_init(wrapped: Any, manager: Any, args: tuple[Any, ...], kwargs: 
         log.warning("kvcached: KV cache usage not followed: %s", e)
 
 
-def install(changes: Changes, found: Found) -> None:
+def install(changes: Changes, found: ClaimTargets) -> None:
     """Wrap both executors' start and shutdown, the KV cache's initialisation, and the KV cache manager."""
     changes.wrap(found.uni, "_init_executor", _uni_init)
     changes.wrap(found.uni, "shutdown", _uni_shutdown)

@@ -29,6 +29,12 @@ M_ABSTRACT = "vllm.v1.executor.abstract"
 M_KV_MANAGER = "vllm.v1.core.kv_cache_manager"
 M_LMCACHE = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector"
 M_ARGS = "vllm.engine.arg_utils"
+# What elastic-kv changes beside them.
+M_BLOCK_POOL = "vllm.v1.core.block_pool"
+M_COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
+M_SCHEDULER = "vllm.v1.core.sched.scheduler"
+M_WORKER_UTILS = "vllm.v1.worker.utils"
+M_INTERFACE = "vllm.v1.kv_cache_interface"
 
 ENGINE_ATTR = "_kvcached_engine"  # on an executor: its engine's EngineState
 

@@ -11,10 +11,10 @@ does. On, four points change, each found by its shape (docs/VLLM.md):
    config, so no worker ever waits for an engine that will not map its pages.
 2. Worker, `vllm.v1.worker.utils.allocate_kv_cache` (and the names the model
    runners imported it under): for a marked config whose layout we can
-   describe (`kvlayout`), the one backing buffer becomes a `KVBuffer` (a
-   reserved range, block 0's pages mapped) and vLLM's own
-   `create_kv_cache_views` lays every layer over it, so each layer's tensor is
-   a view of the range. Anything else falls back to vLLM's allocation and
+   describe, the one backing buffer becomes a `KVBuffer` (a reserved range,
+   block 0's pages mapped) and vLLM's own `create_kv_cache_views` lays every
+   layer over it, so each layer's tensor is a view of the range
+   (`elastic_buffers`). Anything else falls back to vLLM's allocation and
    tells the engine why.
 3. Engine, `KVCacheManager.__init__` and the `BlockPool` name its
    coordinator builds with: the manager's block pool is an
@@ -45,22 +45,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import settings
-from .. import running
 from ..patchkit import Changes, Patch, original, require
-from .common import argument, params
-from .kvlayout import footprint, pad_layer_regions, spec_of, unsupported
+from .common import (
+    M_ABSTRACT,
+    M_BLOCK_POOL,
+    M_COORDINATOR,
+    M_INTERFACE,
+    M_KV_MANAGER,
+    M_SCHEDULER,
+    M_WORKER_UTILS,
+    argument,
+    params,
+)
+from .elastic_buffers import MARK, allocate_kv_cache, refusals
 
-log = logging.getLogger("kvcached.integration.vllm.elastic")
+log = logging.getLogger(__name__)
 
-MARK = "_kvcached_elastic"  # set on the KVCacheConfig objects the engine sends its workers
-
-M_BLOCK_POOL = "vllm.v1.core.block_pool"
-M_COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
-M_MANAGER = "vllm.v1.core.kv_cache_manager"
-M_SCHEDULER = "vllm.v1.core.sched.scheduler"
-M_EXECUTOR = "vllm.v1.executor.abstract"
-M_WORKER_UTILS = "vllm.v1.worker.utils"
-M_INTERFACE = "vllm.v1.kv_cache_interface"
 # Modules that bind allocate_kv_cache by name at import (patched when already imported; those imported later
 # bind the patched name).
 ALLOCATE_USERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils")
@@ -71,76 +71,18 @@ def switch() -> str | None:
     return None if settings.ELASTIC.get() else f"elastic KV memory is off (set {settings.ELASTIC.name}=1)"
 
 
-# -- worker: the allocation -------------------------------------------------------
-
-_refusals: list[str] = []  # why this process's worker fell back to vLLM's allocation
-
-
-def allocate_kv_cache(plain: Any, kv_cache_config: Any, device: Any, layout: Any,
-                      kernel_block_sizes: list[int] | None = None) -> dict[str, Any]:
-    """vLLM's allocate_kv_cache (`plain`), over an elastic buffer when the engine asked for one."""
-    if not getattr(kv_cache_config, MARK, False):
-        return plain(kv_cache_config, device, layout, kernel_block_sizes)
-    why = unsupported(kv_cache_config)
-    if why is None and str(device).split(":")[0] not in ("cpu", "cuda"):
-        why = f"device {device} has no page backend"
-    if why is None:
-        try:
-            return _allocate_elastic(kv_cache_config, device, layout, kernel_block_sizes)
-        except Exception as e:  # never fail a worker's start for it: fall back, and say so
-            log.exception("kvcached: elastic KV buffer failed")
-            why = f"{type(e).__name__}: {e}"
-    _refuse(why)
-    return plain(kv_cache_config, device, layout, kernel_block_sizes)
+# -- worker: the allocation (elastic_buffers) ---------------------------------------
 
 
 def _allocate(wrapped: Any, _instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     return allocate_kv_cache(wrapped, *args, **kwargs)
 
 
-def _allocate_elastic(cfg: Any, device: Any, layout: Any, kernel_block_sizes: list[int] | None) -> dict[str, Any]:
-    from vllm.v1.kv_cache_interface import create_kv_cache_views
-
-    from kvcached.runtime.kvbuffer import KVBuffer, set_local_buffer
-
-    page = settings.PAGE_SIZE.get()
-    # The worker's own copy of the config: the model runner keeps it, so it describes the views made here.
-    pad_layer_regions(cfg, page)
-    buf = KVBuffer(footprint(cfg, layout), page, device=str(device))
-    raw = buf.tensor()
-    kv_caches: dict[str, Any] = {}
-    for t in cfg.kv_cache_tensors:
-        gid, spec = spec_of(cfg, t.layers[0])
-        kernel = kernel_block_sizes[gid] if kernel_block_sizes is not None and gid < len(kernel_block_sizes) \
-            else None
-        views = create_kv_cache_views(raw, spec, cfg.num_blocks_of(t), layout, t, kernel_block_size=kernel)
-        kv_caches.update(zip(t.layers, views))
-    set_local_buffer(buf)
-    listener = running.current_worker_listener()
-    if listener is not None:
-        buf.register(listener)
-    log.info("kvcached: KV cache of %d bytes is elastic: %d pages of %d bytes reserved, %d mapped",
-             cfg.kv_cache_tensors[0].size, buf.plan.num_pages, buf.page_size, buf.pages.num_mapped)
-    return kv_caches
-
-
-def _refuse(why: str) -> None:
-    from kvcached.runtime.ipc.protocol import CMD_INFO
-    from kvcached.runtime.kvbuffer import set_local_buffer
-
-    log.warning("kvcached: this KV cache stays fully allocated, not elastic: %s", why)
-    _refusals.append(why)
-    set_local_buffer(None)
-    listener = running.current_worker_listener()
-    if listener is not None:
-        listener.register(CMD_INFO, lambda _a: {"elastic": False, "why": why})
-
-
 # -- engine: the decision, the pool, the steps ---------------------------------------
 
 
 @dataclass(frozen=True)
-class EnginePlan:
+class WorkerReach:
     """How this engine reaches its workers' buffers, decided before they allocate."""
 
     mode: str  # "local": the worker is in this process; "sockets": workers serve listeners
@@ -149,32 +91,26 @@ class EnginePlan:
     segment_path: str | None = None
 
 
-_engine: EnginePlan | None = None
+_engine: WorkerReach | None = None
 _tls = threading.local()
 
 
 def prepare_engine(kv_cache_configs: Sequence[Any], mode: str, tp_size: int = 1, pp_size: int = 1,
-                   segment_path: str | None = None) -> EnginePlan:
+                   segment_path: str | None = None) -> WorkerReach:
     """Mark the configs the workers will allocate and remember how to reach them (the executor seam)."""
     global _engine
     if mode not in ("local", "sockets"):
         raise ValueError(f"unknown mode {mode!r}")
     if segment_path is None:
-        from ..engine_claim import claimed_segment
+        from ...node import ipc_name_from_env
+        from ..engine_elastic import segment_to_follow
 
         # The segment this engine claimed when its executor started (engine-state),
         # else the deployment's by name, picked up once someone creates it.
-        claimed = claimed_segment()
-        if claimed is not None:
-            segment_path = claimed.path
-        else:
-            from ...node import ipc_name_from_env
-            from .. import layout_from_env
-
-            segment_path = layout_from_env().segment_path(ipc_name_from_env())
+        segment_path = segment_to_follow(ipc_name_from_env())
     for cfg in kv_cache_configs:
         setattr(cfg, MARK, True)
-    _engine = EnginePlan(mode, tp_size, pp_size, segment_path)
+    _engine = WorkerReach(mode, tp_size, pp_size, segment_path)
     return _engine
 
 
@@ -204,6 +140,7 @@ def _make_setup(num_blocks: int) -> Any:
     from kvcached.runtime.kvbuffer import LocalLink, SocketLink, local_buffer
     from kvcached.runtime.pool import MapError
 
+    from ..engine_elastic import release_settings
     from .elastic_alloc import ElasticSetup
 
     plan = _engine
@@ -213,7 +150,7 @@ def _make_setup(num_blocks: int) -> Any:
         buf = local_buffer()
         if buf is None:
             log.warning("kvcached: the worker kept vLLM's allocation (%s); the block pool is not elastic",
-                        _refusals[-1] if _refusals else "no elastic buffer in this process")
+                        refusals[-1] if refusals else "no elastic buffer in this process")
             return None
         link = LocalLink(buf)
     else:
@@ -229,8 +166,8 @@ def _make_setup(num_blocks: int) -> Any:
             log.warning("kvcached: every worker kept vLLM's allocation; the block pool is not elastic: %s", e)
             return None
         raise
-    return ElasticSetup(link, agreed, plan.segment_path, settings.ELASTIC_RESERVE_PAGES.get(),
-                        settings.ELASTIC_RELEASE_DELAY_S.get())
+    release = release_settings()
+    return ElasticSetup(link, agreed, plan.segment_path, release.reserve, release.delay_s)
 
 
 def _all_refused(link: Any) -> bool:
@@ -265,8 +202,8 @@ def elastic_pool(scheduler: Any) -> Any:
 
 def probe() -> dict[str, Any]:
     """The modules the patch changes, when the installed vLLM is the shape we know; raises ShapeError otherwise."""
-    mods = {m: importlib.import_module(m) for m in (M_BLOCK_POOL, M_COORDINATOR, M_MANAGER, M_SCHEDULER,
-                                                   M_EXECUTOR, M_WORKER_UTILS, M_INTERFACE)}
+    mods = {m: importlib.import_module(m) for m in (M_BLOCK_POOL, M_COORDINATOR, M_KV_MANAGER, M_SCHEDULER,
+                                                   M_ABSTRACT, M_WORKER_UTILS, M_INTERFACE)}
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
     bp = mods[M_BLOCK_POOL].BlockPool
@@ -283,7 +220,7 @@ def probe() -> dict[str, Any]:
              "KVCacheBlock no longer has block_id, ref_cnt, _block_hash, prev_free_block, is_null")
     require(original(getattr(mods[M_COORDINATOR], "BlockPool", None)) is bp,
              "kv_cache_coordinator no longer builds its pool through the name BlockPool")
-    manager = mods[M_MANAGER].KVCacheManager
+    manager = mods[M_KV_MANAGER].KVCacheManager
     require("get_kv_cache_coordinator(" in inspect.getsource(original(manager.__init__)),
              "KVCacheManager.__init__ no longer builds its coordinator")
     sched = mods[M_SCHEDULER].Scheduler
@@ -291,7 +228,7 @@ def probe() -> dict[str, Any]:
              "Scheduler.update_from_output(scheduler_output, model_runner_output) changed")
     for name in ("schedule", "finish_requests", "has_requests"):
         require(callable(getattr(sched, name, None)), f"Scheduler.{name} is missing")
-    require(params(mods[M_EXECUTOR].Executor.initialize_from_config) == ["self", "kv_cache_configs"],
+    require(params(mods[M_ABSTRACT].Executor.initialize_from_config) == ["self", "kv_cache_configs"],
              "Executor.initialize_from_config(kv_cache_configs) changed")
     require(params(mods[M_WORKER_UTILS].allocate_kv_cache) == ["kv_cache_config", "device", "layout",
                                                                "kernel_block_sizes"],
@@ -455,12 +392,12 @@ def install(changes: Changes, mods: dict[str, Any]) -> None:
         if mod is not None and getattr(mod, "allocate_kv_cache", None) is plain:
             changes.wrap(mod, "allocate_kv_cache", _allocate)
     changes.wrap(mods[M_COORDINATOR], "BlockPool", _block_pool)
-    changes.wrap(mods[M_MANAGER].KVCacheManager, "__init__", _manager_init)
+    changes.wrap(mods[M_KV_MANAGER].KVCacheManager, "__init__", _manager_init)
     sched = mods[M_SCHEDULER].Scheduler
     for name, hook in zip(STEP_METHODS, (_schedule, _update_from_output)):
         _handles[name] = (sched, changes.wrap(sched, name, hook))
     changes.wrap(sched, "finish_requests", _finish_requests)
-    changes.wrap(mods[M_EXECUTOR].Executor, "initialize_from_config", _initialize_from_config)
+    changes.wrap(mods[M_ABSTRACT].Executor, "initialize_from_config", _initialize_from_config)
     changes.on_undo(forget_engine)
     changes.on_undo(_unbind_all)
 
@@ -470,13 +407,13 @@ PATCH = Patch(
     does="KV cache tensors over reserved ranges, pages mapped for the blocks vLLM's block pool hands out, "
          "under the segment's limit",
     targets=(
-        "vllm.v1.executor.abstract:Executor.initialize_from_config",
-        "vllm.v1.worker.utils:allocate_kv_cache",
-        "vllm.v1.core.kv_cache_manager:KVCacheManager.__init__",
-        "vllm.v1.core.kv_cache_coordinator:BlockPool",
-        "vllm.v1.core.sched.scheduler:Scheduler.schedule",
-        "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
-        "vllm.v1.core.sched.scheduler:Scheduler.finish_requests",
+        f"{M_ABSTRACT}:Executor.initialize_from_config",
+        f"{M_WORKER_UTILS}:allocate_kv_cache",
+        f"{M_KV_MANAGER}:KVCacheManager.__init__",
+        f"{M_COORDINATOR}:BlockPool",
+        f"{M_SCHEDULER}:Scheduler.schedule",
+        f"{M_SCHEDULER}:Scheduler.update_from_output",
+        f"{M_SCHEDULER}:Scheduler.finish_requests",
     ),
     probe=probe,
     install=install,

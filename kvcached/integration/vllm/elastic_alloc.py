@@ -59,12 +59,12 @@ from typing import Any
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
-from kvcached.integration.limits import limit_mapper
+from kvcached.integration.engine_elastic import segment_limit, take_over_usage
 from kvcached.node import KvcachedError
-from kvcached.runtime.elastic import MAPPED, ElasticPages, SegmentLimit, due_for_release
-from kvcached.runtime.kvbuffer import LinkSetup, WorkerLink
+from kvcached.runtime.elastic import MAPPED, ElasticPages, PageLink, due_for_release, review_interval
+from kvcached.runtime.kvbuffer import LinkSetup
 
-log = logging.getLogger("kvcached.integration.vllm.elastic_alloc")
+log = logging.getLogger(__name__)
 
 # vLLM's own, for the overrides that add a check around them (called once or a few times per step).
 _vllm_get_new_blocks = BlockPool.get_new_blocks
@@ -106,23 +106,11 @@ class InFlight:
 class ElasticSetup:
     """What the engine hands the pool: the link to the workers and what they agreed."""
 
-    link: WorkerLink
+    link: PageLink  # set up already (LocalLink or SocketLink): `agreed` is what its setup() answered
     agreed: LinkSetup
     segment_path: str | None
     reserve_pages: int = 1
     release_delay: float = 1.0  # seconds a page stays all free before it is released (while busy)
-
-
-def _take_over_usage() -> None:
-    """From now on this pool publishes used/prealloc: the engine's own (whole-cache) figures would contradict it."""
-    try:
-        from ..engine_claim import current_engine
-
-        engine = current_engine()
-        if engine is not None:
-            engine.defer_usage()
-    except Exception as e:  # the figures are informational: never fail the engine for them
-        log.debug("kvcached: engine usage not handed over: %s", e)
 
 
 class ElasticBlockPool(BlockPool):
@@ -140,10 +128,11 @@ class ElasticBlockPool(BlockPool):
         agreed = elastic.agreed
         self.link = elastic.link
         self.segment_path = elastic.segment_path
-        self.segment = SegmentLimit(elastic.segment_path, mapper=limit_mapper(), logger=log,
-                                    fallback="the last limit read stays") if elastic.segment_path else None
+        self.segment = segment_limit(elastic.segment_path, logger=log, fallback="the last limit read stays") \
+            if elastic.segment_path else None
         self.reserve = max(0, elastic.reserve_pages)
         self.release_delay = max(0.0, elastic.release_delay)
+        self.review_every = review_interval(self.release_delay)  # read at every step: computed once
         self.clock = time.monotonic
         self._reviewed_at = float("-inf")
         self.blocks_per_page = g = agreed.blocks_per_page
@@ -173,7 +162,7 @@ class ElasticBlockPool(BlockPool):
         self.pages.set_limit(self.num_pages * self.page_bytes)
         self._refresh_limit()
         self._recount()
-        _take_over_usage()
+        take_over_usage()
         self._publish(force=True)
         log.info("kvcached: elastic block pool: %d blocks in %d pages of %d blocks (%d bytes each per rank), "
                  "limit %d bytes", n, self.num_pages, g, self.page_bytes, self.limit)
@@ -215,16 +204,8 @@ class ElasticBlockPool(BlockPool):
             state = pages.state
             self._spare = sum(self.sizes[p] for p in range(self.num_pages) if state[p] != MAPPED)
             return
-        self._spare = -1 if extra < 0 else self._blocks_in_pages(extra)
-
-    def _blocks_in_pages(self, k: int) -> int:
-        """Blocks that `k` more pages surely hold: the last page of the cache may be short."""
-        k = min(k, len(self.pages.releasing) + len(self.pages.unmapped))
-        if k <= 0:
-            return 0
-        last = self.num_pages - 1
-        short = self.blocks_per_page - self.sizes[last] if self.state[last] != MAPPED else 0
-        return k * self.blocks_per_page - short
+        # Pages being released come back first (grow), so they count among the `extra`.
+        self._spare = -1 if extra < 0 else pages.spare_units(extra, self.blocks_per_page, releasing=True)
 
     def get_usage(self) -> float:
         """Blocks in use over blocks in use plus those `get_num_free_blocks` offers."""
@@ -380,10 +361,9 @@ class ElasticBlockPool(BlockPool):
         """
         if self.pages.releasing:
             self.release_finished()
-        # While requests run, reviewing pages more often than a quarter of the delay buys
-        # nothing (a page must stay free that long) and reviewing is most of a step's cost
-        # (bench_elastic.py): review at that pace, at once when idle or over the limit.
-        if idle or self._over or self.clock() - self._reviewed_at >= self.release_delay * 0.25:
+        # While requests run, review at the core's pace (review_interval), at once when idle or
+        # over the limit.
+        if idle or self._over or self.clock() - self._reviewed_at >= self.review_every:
             self._trim(idle)
             self._publish()  # the used/prealloc split moves only when pages are reviewed
 

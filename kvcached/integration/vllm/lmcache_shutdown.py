@@ -14,7 +14,7 @@ from typing import Any
 from ..patchkit import Changes, NotNeeded, Patch, ShapeError, is_ours
 from .common import M_LMCACHE, module, source
 
-log = logging.getLogger("kvcached.integration.vllm")
+log = logging.getLogger(__name__)
 
 _DONE = "_kvcached_lmcache_shutdown_done"  # on a connector: forwarded already
 

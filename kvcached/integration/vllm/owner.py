@@ -17,20 +17,20 @@ from ... import settings
 from ..patchkit import Changes, Patch, ShapeError
 from .common import M_UTILS, argument, environ_set, module, params, source
 
-log = logging.getLogger("kvcached.integration.vllm")
+log = logging.getLogger(__name__)
 
 OWNER_ATTR = "_kvcached_owner"  # on a CoreEngineProcManager: its EngineOwner
 
 
 @dataclass(frozen=True)
-class Found:
+class OwnerTargets:
     """The objects this patch wraps."""
 
     utils: Any  # vllm.v1.engine.utils
     manager: Any  # CoreEngineProcManager
 
 
-def probe() -> Found:
+def probe() -> OwnerTargets:
     """vLLM's engine manager and start-up wait, when their shapes are the ones this patch knows."""
     mod = module(M_UTILS)
     mgr = getattr(mod, "CoreEngineProcManager", None)
@@ -47,7 +47,7 @@ def probe() -> Found:
     wait_params = params(wait)
     if "launch" not in wait_params or "parallel_config" not in wait_params:
         raise ShapeError("wait_for_engine_startup() no longer takes launch and parallel_config")
-    return Found(mod, mgr)
+    return OwnerTargets(mod, mgr)
 
 
 def _manager_init(wrapped: Any, manager: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -107,7 +107,7 @@ def _manager_shutdown(wrapped: Any, manager: Any, args: tuple[Any, ...], kwargs:
             owner.after_shutdown()
 
 
-def install(changes: Changes, found: Found) -> None:
+def install(changes: Changes, found: OwnerTargets) -> None:
     """Wrap the manager's __init__ and shutdown, and the module's wait_for_engine_startup."""
     changes.wrap(found.manager, "__init__", _manager_init)
     changes.wrap(found.manager, "shutdown", _manager_shutdown)

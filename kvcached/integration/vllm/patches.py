@@ -21,7 +21,7 @@ import logging
 from ..patchkit import Patch, Registry
 from . import claim, elastic, lmcache_shutdown, owner, worker_listener
 
-log = logging.getLogger("kvcached.integration.vllm")
+log = logging.getLogger(__name__)
 
 PATCHES: tuple[Patch, ...] = (*lmcache_shutdown.PATCHES, *owner.PATCHES, *worker_listener.PATCHES,
                                *claim.PATCHES, *elastic.PATCHES)

@@ -19,7 +19,7 @@ import logging
 
 from .. import Once, run_once
 
-log = logging.getLogger("kvcached.integration.vllm")
+log = logging.getLogger(__name__)
 
 _once = Once()
 

@@ -17,7 +17,7 @@ from .. import running
 from ..patchkit import Changes, Patch, ShapeError
 from .common import M_EXECUTOR, argument, engine_name, module, not_covered, params
 
-log = logging.getLogger("kvcached.integration.vllm")
+log = logging.getLogger(__name__)
 
 LISTENER_ATTR = "_kvcached_listener"  # on a WorkerProc: the listener it serves
 _TRIED = "_kvcached_listener_tried"  # on a WorkerProc: a start was attempted (at most one per worker)

@@ -26,7 +26,7 @@ from ...node import (
 )
 from .protocol import REPLY, REQUEST, VERSION, encode, recv_frame
 
-log = logging.getLogger("kvcached.runtime.ipc")
+log = logging.getLogger(__name__)
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 _UCRED = struct.Struct("3i")

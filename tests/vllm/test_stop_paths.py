@@ -3,7 +3,7 @@
 Each serve runs in its own session (see serves.py): vLLM's client, engine
 launch, `EngineCoreProc` with its handshakes, signal handling and busy loop,
 the real executors and worker processes; only what needs a GPU or a model is
-replaced (vllm_fakes.py). For each shape, while it runs, the installed
+replaced (fakes.py). For each shape, while it runs, the installed
 `kvctl` must show it live with its processes and `kvctl gc --yes --min-age 0`
 must remove nothing; once it has stopped, nothing of it may be left. The
 unpatched runs are vLLM as installed: kvctl finds nothing to show at all.
@@ -32,8 +32,8 @@ from kvcached.node.state.gclock import LOCK_NAME  # noqa: E402
 from .. import conftest  # noqa: E402
 from ..conftest import KVCTL  # noqa: E402
 from . import serves  # noqa: E402
+from .fakes import KV_BYTES  # noqa: E402
 from .serves import Serve, Shape, gone  # noqa: E402
-from .vllm_fakes import KV_BYTES  # noqa: E402
 
 LIMIT = 2 << 30
 SERVE_ENV = {"KVCACHED_LIMIT": "2G", "KVCACHED_PUBLISH_INTERVAL_S": "0.05"}

@@ -174,7 +174,7 @@ def test_a_layout_without_views_falls_back_and_says_why(elastic, tmp_path, caplo
     cfg.kv_cache_tensors[0].host_resident = True  # as HiSparse host pools are
     cfg.hisparse_host_num_blocks = cfg.num_blocks
     vllm_elastic.prepare_engine([cfg], "local", segment_path=str(tmp_path / "seg"))
-    with caplog.at_level("WARNING", logger="kvcached.integration.vllm.elastic"):
+    with caplog.at_level("WARNING", logger="kvcached.integration.vllm.elastic_buffers"):
         kv = es.allocate(cfg, vc)
     assert kvbuffer.local_buffer() is None and kv
     assert "not elastic: a KV cache tensor lives in host memory" in caplog.text

@@ -39,7 +39,7 @@ from ... import settings
 from ...runtime.kvbuffer import KVBuffer
 from ...runtime.kvplan import Footprint
 
-log = logging.getLogger("kvcached.integration.sglang.elastic")
+log = logging.getLogger(__name__)
 
 
 def aligned_rows(rows: int, row_bytes: int, page_size: int, page: int) -> int:

@@ -39,9 +39,9 @@ from .. import conftest  # noqa: E402
 from ..fs.engine_plant import MAPPER  # noqa: E402
 from ..waiting import wait_for, wait_until  # noqa: E402
 from . import standins  # noqa: E402
+from .fakes import ServeConfig  # noqa: E402
 from .serves import gone  # noqa: E402
 from .standins import Spec, dead_node, map_buffer, read_pid  # noqa: E402
-from .vllm_fakes import ServeConfig  # noqa: E402
 
 both = conftest.both()
 

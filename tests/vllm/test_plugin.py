@@ -207,7 +207,7 @@ def test_kvcached_logs_appear_in_vllms_stream_and_format(clean_patches, tmp_path
     theirs = [ln for ln in out.splitlines() if "a vllm line" in ln]
     assert len(ours) == 1 and len(theirs) == 1, out
     # vLLM's format: "(<process> pid=<pid>) INFO <date> <time> [<file>:<line>] <message>", for both.
-    vllm_format = re.compile(r"^\(\S+ pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[test_vllm_plugin.py:\d+\] ")
+    vllm_format = re.compile(r"^\(\S+ pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[test_plugin.py:\d+\] ")
     assert vllm_format.match(ours[0]) and vllm_format.match(theirs[0]), out
     assert "before routing" not in out and "not at vLLM level" not in out
 

@@ -1,20 +1,34 @@
-"""Where vLLM 0.33's KV cache puts each block's bytes, for the `elastic-kv` patch to map pages under them.
+"""The `elastic-kv` patch's worker side: vLLM 0.33's KV cache laid over an elastic buffer, and where its blocks lie.
 
 vLLM lays its KV cache out in one backing buffer per worker
 (`v1/worker/utils.py:allocate_kv_cache`, `v1/kv_cache_interface.py`): every
 `KVCacheTensor` places its layers in it, block `b` of layer `l` at
 `offset + l * layer_stride + b * block_stride`. `footprint` turns that into a
 `Footprint` (kvcached.runtime.kvplan): which byte runs each block occupies.
+`allocate_kv_cache` (the patched allocation, `elastic.py`) makes that buffer a
+`KVBuffer` (a reserved range, block 0's pages mapped), lets vLLM's own
+`create_kv_cache_views` lay every layer over it, and serves the engine's
+commands for it on this worker's listener; for a config it cannot describe
+it keeps vLLM's allocation and tells the engine why (`refusals`).
 vLLM is imported inside the functions that need it.
+
+The vLLM version's shape of this role lives here: a release that lays its
+KV cache out differently changes `footprint` and `pad_layer_regions`.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
+from ... import settings
 from ...runtime.kvplan import Footprint
+from .. import running
 
+log = logging.getLogger(__name__)
+
+MARK = "_kvcached_elastic"  # set on the KVCacheConfig objects the engine sends its workers (elastic.prepare_engine)
 _MAX_RUNS_PER_BLOCK = 4096
 
 
@@ -112,3 +126,64 @@ def footprint(cfg: Any, layout: Any) -> Footprint:
             base = t.offset + layer * strides[0]
             runs.extend((block_stride, base + o, n) for o, n in per_block)
     return Footprint.build(cfg.kv_cache_tensors[0].size, cfg.num_blocks, runs)
+
+
+# -- the allocation -----------------------------------------------------------------
+
+refusals: list[str] = []  # why this process's worker fell back to vLLM's allocation
+
+
+def allocate_kv_cache(plain: Any, kv_cache_config: Any, device: Any, layout: Any,
+                      kernel_block_sizes: list[int] | None = None) -> dict[str, Any]:
+    """vLLM's allocate_kv_cache (`plain`), over an elastic buffer when the engine asked for one."""
+    if not getattr(kv_cache_config, MARK, False):
+        return plain(kv_cache_config, device, layout, kernel_block_sizes)
+    why = unsupported(kv_cache_config)
+    if why is None and str(device).split(":")[0] not in ("cpu", "cuda"):
+        why = f"device {device} has no page backend"
+    if why is None:
+        try:
+            return _allocate_elastic(kv_cache_config, device, layout, kernel_block_sizes)
+        except Exception as e:  # never fail a worker's start for it: fall back, and say so
+            log.exception("kvcached: elastic KV buffer failed")
+            why = f"{type(e).__name__}: {e}"
+    _refuse(why)
+    return plain(kv_cache_config, device, layout, kernel_block_sizes)
+
+
+def _allocate_elastic(cfg: Any, device: Any, layout: Any, kernel_block_sizes: list[int] | None) -> dict[str, Any]:
+    from vllm.v1.kv_cache_interface import create_kv_cache_views
+
+    from kvcached.runtime.kvbuffer import KVBuffer, set_local_buffer
+
+    page = settings.PAGE_SIZE.get()
+    # The worker's own copy of the config: the model runner keeps it, so it describes the views made here.
+    pad_layer_regions(cfg, page)
+    buf = KVBuffer(footprint(cfg, layout), page, device=str(device))
+    raw = buf.tensor()
+    kv_caches: dict[str, Any] = {}
+    for t in cfg.kv_cache_tensors:
+        gid, spec = spec_of(cfg, t.layers[0])
+        kernel = kernel_block_sizes[gid] if kernel_block_sizes is not None and gid < len(kernel_block_sizes) \
+            else None
+        views = create_kv_cache_views(raw, spec, cfg.num_blocks_of(t), layout, t, kernel_block_size=kernel)
+        kv_caches.update(zip(t.layers, views))
+    set_local_buffer(buf)
+    listener = running.current_worker_listener()
+    if listener is not None:
+        buf.register(listener)
+    log.info("kvcached: KV cache of %d bytes is elastic: %d pages of %d bytes reserved, %d mapped",
+             cfg.kv_cache_tensors[0].size, buf.plan.num_pages, buf.page_size, buf.pages.num_mapped)
+    return kv_caches
+
+
+def _refuse(why: str) -> None:
+    from kvcached.runtime.ipc.protocol import CMD_INFO
+    from kvcached.runtime.kvbuffer import set_local_buffer
+
+    log.warning("kvcached: this KV cache stays fully allocated, not elastic: %s", why)
+    refusals.append(why)
+    set_local_buffer(None)
+    listener = running.current_worker_listener()
+    if listener is not None:
+        listener.register(CMD_INFO, lambda _a: {"elastic": False, "why": why})

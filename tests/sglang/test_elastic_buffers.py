@@ -18,7 +18,7 @@ from . import elastic_support as es  # noqa: E402
 
 
 def test_aligned_rows_fill_whole_physical_pages_and_whole_sglang_pages() -> None:
-    from kvcached.integration.sglang.elastic_pool import aligned_rows
+    from kvcached.integration.sglang.elastic_buffers import aligned_rows
 
     for rows, row_bytes, ps, page in [(4097, 1024, 1, es.PAGE), (4112, 1024, 16, es.PAGE), (33, 1152, 1, 2 << 20),
                                       (129, 96, 64, es.PAGE)]:
@@ -30,7 +30,7 @@ def test_aligned_rows_fill_whole_physical_pages_and_whole_sglang_pages() -> None
 
 
 def test_plan_layout_starts_every_part_on_a_page_and_groups_own_their_pages() -> None:
-    from kvcached.integration.sglang.elastic_pool import plan_layout
+    from kvcached.integration.sglang.elastic_buffers import plan_layout
     from kvcached.runtime.kvplan import PagePlan, min_blocks_per_page
 
     lay = plan_layout(4097, 1, es.LAYERS, [1024, 1024], es.PAGE)
@@ -108,7 +108,7 @@ def test_mla_pool_latent_buffers_over_the_range_read_back_after_remapping() -> N
     import torch
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
-    from kvcached.integration.sglang.elastic_pool import ElasticMLATokenToKVPool
+    from kvcached.integration.sglang.elastic_buffers import ElasticMLATokenToKVPool
 
     kw = dict(size=2048, page_size=1, dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64, layer_num=2,
               device="cpu", enable_memory_saver=False)
@@ -143,7 +143,7 @@ def test_a_layout_other_than_nhd_keeps_sglangs_own_buffers() -> None:
 
 def test_a_pool_no_elastic_allocator_takes_is_mapped_whole_after_configuring() -> None:
     """What `settle` does after the configurator: a pool of ours handed to SGLang's allocator maps everything."""
-    from kvcached.integration.sglang.elastic_pool import building, settle
+    from kvcached.integration.sglang.elastic_buffers import building, settle
 
     with building() as made:
         pool = es.mha_pool(True, size=1024)

@@ -23,10 +23,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ...runtime import elastic
-from ..limits import limit_mapper
+from ...runtime.elastic import SegmentLimit
+from ..engine_elastic import segment_limit
 
-log = logging.getLogger("kvcached.integration.sglang.elastic")
+log = logging.getLogger(__name__)
 
 
 # What every rank decides a step from: (the limit in bytes per rank, None while no segment can be read;
@@ -44,42 +44,31 @@ class TPGroup(Protocol):
     world_size: int
 
 
-def _deployment_segment() -> str | None:
-    """The segment this serve's rank 0 claimed, else the deployment's by name (picked up once it exists)."""
-    from ..engine_claim import claimed_segment, current_engine
+def _rank_segment() -> str | None:
+    """This DP rank's segment: the one its rank 0 claimed (its usage handed over to the allocator, which knows the
+    mapped pages), else the rank's by name, picked up once it exists."""
+    from ..engine_elastic import segment_to_follow, take_over_usage
+    from .common import engine_name
 
-    claimed = claimed_segment()
-    if claimed is not None:
-        engine = current_engine()
-        if engine is not None:
-            engine.defer_usage()  # the allocator knows the mapped pages: it publishes used/prealloc
-        return claimed.path
-    from ...node import dp_rank_name, ipc_name_from_env
-    from .. import layout_from_env
-
-    name = ipc_name_from_env(tag="SGLang")
     try:
         from sglang.srt.runtime_context import get_parallel
 
         dp_rank = get_parallel().dp_rank
     except Exception:  # outside a scheduler (tests, tools): no DP rank
         dp_rank = None
-    if dp_rank is not None:
-        name = dp_rank_name(name, int(dp_rank))
-    return layout_from_env().segment_path(name)
+    path = segment_to_follow(engine_name(None if dp_rank is None else int(dp_rank)))
+    take_over_usage()
+    return path
 
 
-class SegmentLimit(elastic.SegmentLimit):
+def limit_source(path: str | None = None, *, locate: Callable[[], str | None] = _rank_segment) -> SegmentLimit:
     """Rank 0's segment (the elastic core's `SegmentLimit`): the limit once per step, and the usage it publishes.
 
-    `path` None: the deployment's segment (`_deployment_segment`), looked up
-    again at each read until one can be opened; until then there is no limit
-    but SGLang's own capacity.
+    `path` None: this DP rank's segment (`locate`), looked up again at each
+    read until one can be opened; until then there is no limit but SGLang's
+    own capacity.
     """
-
-    def __init__(self, path: str | None = None, *, locate: Callable[[], str | None] = _deployment_segment) -> None:
-        super().__init__(path, locate=locate, mapper=limit_mapper(), logger=log,
-                         fallback="SGLang's capacity is the only limit")
+    return segment_limit(path, locate=locate, fallback="SGLang's capacity is the only limit", logger=log)
 
 
 class Agreement:
@@ -90,7 +79,7 @@ class Agreement:
         self.group = group if group is not None and group.world_size > 1 else None
         self.rank = 0 if self.group is None else self.group.rank_in_group
         if self.rank == 0 and source is None:
-            source = SegmentLimit()
+            source = limit_source()
         self.source = source if self.rank == 0 else None
         self.geometry = tuple(int(g) for g in geometry)
         self.clock = clock

@@ -5,7 +5,7 @@ process with its own KV buffer (the footprint vLLM's config gives, after the
 same padding the patched allocation applies) serving our worker listener, as
 a vLLM ``mp`` worker does once the worker-listener patch runs. The workers
 need no vLLM: what they do with a config is tested in
-test_vllm_elastic_tensors. After every step the pages the engine's pool has
+test_elastic_buffers.py. After every step the pages the engine's pool has
 mapped must be exactly each worker's mapped pages, and each worker must hold
 that memory; a worker that dies fails the engine's next mapping loudly and
 leaves the other worker as it was.
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ext]
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvcached.integration.vllm import elastic as vllm_elastic  # noqa: E402
-from kvcached.integration.vllm import kvlayout  # noqa: E402
+from kvcached.integration.vllm import elastic_buffers  # noqa: E402
 from kvcached.node.in_engine.startup import claim_segment  # noqa: E402
 from kvcached.runtime.ipc.client import Client  # noqa: E402
 from kvcached.runtime.ipc.protocol import CMD_MAPPED  # noqa: E402
@@ -67,8 +67,8 @@ def tp2(tmp_path, layout, uniq, elastic):
     vc = es.vllm_config(str(tmp_path), tp=2, prefix_caching=False)
     cfg = es.kv_cache_config(vc, 256)
     vllm_elastic.prepare_engine([cfg], "sockets", tp_size=2)  # the executor hook, as for the mp executor
-    kvlayout.pad_layer_regions(cfg, PAGE)                     # what each worker's allocation does first
-    fp = json.dumps(kvlayout.footprint(cfg, KVCacheLayout[cfg.kv_cache_layout]).to_dict())
+    elastic_buffers.pad_layer_regions(cfg, PAGE)                     # what each worker's allocation does first
+    fp = json.dumps(elastic_buffers.footprint(cfg, KVCacheLayout[cfg.kv_cache_layout]).to_dict())
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER, layout.root, uniq, str(rank), fp, str(PAGE)],
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
              for rank in (0, 1)]
