@@ -3,7 +3,7 @@
 kvctl compares states, actions, kinds and outcomes as members (`e.action is
 Action.KEPT`), never through their strings; importing them from here costs it
 no scan, /proc pass or decision code. Their old homes (`decide.State`,
-`cleanup.Action`, `scan.Kind`, `gcrun.Outcome`, `orphans.Outcome`,
+`cleanup.Action`, `scan.Kind`, `scan.FileType`, `gcrun.Outcome`, `orphans.Outcome`,
 `engines.families.EngineKind` and `Engine`) import them from here, so both
 spellings name the same members.
 """
@@ -40,6 +40,18 @@ class Action(StrEnum):
     WOULD_REMOVE = "would_remove"
     KEPT = "kept"
     FAILED = "failed"
+
+
+class FileType(StrEnum):
+    """What the scan found at a name (an entry's `type` in JSON): the first foreign check of every source."""
+
+    REGULAR = "regular"
+    SOCKET = "socket"
+    DIRECTORY = "directory"
+    SYMLINK = "symlink"
+    FIFO = "fifo"
+    DEVICE = "device"
+    OTHER = "other"
 
 
 class Kind(StrEnum):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..base import name_rules
-from ..base.enums import Kind, StrEnum
+from ..base.enums import FileType, Kind
 from ..base.ident import handle_reader
 from ..base.layout import Layout
 from ..state.lease import ofd_conflict
@@ -24,17 +24,6 @@ from ..state.segment import SEGMENT_SIZE, has_mark, peek_limit
 from ..state.sockdiag import Bind, BindProbe
 from .facts import Facts
 from .report import KVCACHED, Origin, Source
-
-
-class FileType(StrEnum):
-    REGULAR = "regular"
-    SOCKET = "socket"
-    DIRECTORY = "directory"
-    SYMLINK = "symlink"
-    FIFO = "fifo"
-    DEVICE = "device"
-    OTHER = "other"
-
 
 _FILE_TYPES = {stat.S_IFLNK: FileType.SYMLINK, stat.S_IFREG: FileType.REGULAR, stat.S_IFSOCK: FileType.SOCKET,
                stat.S_IFDIR: FileType.DIRECTORY, stat.S_IFIFO: FileType.FIFO, stat.S_IFCHR: FileType.DEVICE,

@@ -198,12 +198,10 @@ def _same_directory(place: Place) -> str | None:
 
 def _kept(p: Any, why: str) -> Any:
     """The plan with nothing stale left to act on: its place moved since the judgement (unknown: kept)."""
-    from ..clean.decide import Reason
-    from ..clean.leftovers.decide import EngineReason
-    from ..clean.report import Source
+    from ..clean.rules import SharedReason
 
-    untested = Reason.NOT_TESTED if p.source is Source.KVCACHED else EngineReason.NOT_TESTED
-    decisions = {k: Decision(State.UNKNOWN, untested, f"{d.detail}; {why}", d.pids) if d.state is State.STALE
+    decisions = {k: Decision(State.UNKNOWN, SharedReason.NOT_TESTED, f"{d.detail}; {why}", d.pids)
+                 if d.state is State.STALE
                  else d for k, d in p.decisions.items()}
     return replace(p, decisions=decisions, errors=p.errors + [why])
 
