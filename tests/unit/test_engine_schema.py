@@ -9,8 +9,8 @@ import jsonschema
 
 from kvcached.node.clean.cleanup import Action
 from kvcached.node.clean.decide import State
-from kvcached.node.clean.leftovers import Engine, EngineKind
 from kvcached.node.clean.leftovers.decide import REASONS
+from kvcached.node.clean.leftovers.families import Engine, EngineKind
 from kvcached.node.clean.scan import FileType
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "kvctl/schemas/engine_entry.json").read_text())

@@ -141,14 +141,28 @@ def _type_checking_names() -> set[str]:
 
 def test_the_face_table_loads_from_its_rooms_and_mypy_reads_the_same_names() -> None:
     table = kvcached.node.FACE
-    assert _type_checking_names() == set(table)
-    for name, (home, attr) in table.items():
-        assert room_of(f"{NODE}.{home}"), f"{name}: {home} is not in a room"
-        value = getattr(kvcached.node, name)
+    names = [n for names in table.values() for n in names]
+    assert len(names) == len(set(names)), "a face name in two modules of the table"
+    assert _type_checking_names() == set(names)
+    for home, exported in table.items():
+        assert room_of(f"{NODE}.{home}"), f"{home} is not in a room"
         mod = __import__(f"{NODE}.{home}", fromlist=["_"])
-        assert value is (mod if attr is None else getattr(mod, attr))
+        for name in exported:
+            value = getattr(kvcached.node, name)
+            expected = getattr(mod, name, None)
+            if expected is None:  # a module of the room (ops.diagnostics)
+                expected = __import__(f"{NODE}.{home}.{name}", fromlist=["_"])
+            assert value is expected, f"{name} is not {home}'s"
     with pytest.raises(AttributeError):
         kvcached.node.no_such_name  # noqa: B018
+
+
+def test_the_face_is_the_one_lazy_loader() -> None:
+    """No other package of the node layer loads its names on first use: one table, one loader."""
+    lazy = [m for m in modules(kvcached.node) if m != NODE and source_of(m).name == "__init__.py"
+            and any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__"
+                    for n in ast.parse(source_of(m).read_text()).body)]
+    assert not lazy, f"lazy loaders besides the face's: {lazy}"
 
 
 def _packages() -> list[tuple[str, list[str]]]:

@@ -13,7 +13,7 @@ import os
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..base import name_rules
 from ..base.enums import FileType, Kind
@@ -24,6 +24,9 @@ from ..state.segment import SEGMENT_SIZE, has_mark, peek_limit
 from ..state.sockdiag import Bind, BindProbe
 from .facts import Facts
 from .report import KVCACHED, Origin, Source
+
+if TYPE_CHECKING:
+    from ..base.place import Place
 
 _FILE_TYPES = {stat.S_IFLNK: FileType.SYMLINK, stat.S_IFREG: FileType.REGULAR, stat.S_IFSOCK: FileType.SOCKET,
                stat.S_IFDIR: FileType.DIRECTORY, stat.S_IFIFO: FileType.FIFO, stat.S_IFCHR: FileType.DEVICE,
@@ -65,7 +68,7 @@ class Candidate(NamedTuple):
     bind: Bind | None = None       # bind test of a socket node no listing shows (None: not tested)
     bind_errno: str | None = None
     by_shape: bool = False         # a segment found only by its shape: nothing names it
-    place: Any = None              # kvctl -A: the place it is in (places/discover.Place); None: the node's own
+    place: Place | None = None     # kvctl -A: the place it is in; None: this node's own /tmp and /dev/shm
 
     @property
     def origin(self) -> Origin:

@@ -109,7 +109,7 @@ def _judge_and_act(layout: Layout, engines: bool, started: float, time_limit: fl
     p = plan(layout, policy)
     plans: list[Any] = [p]
     if engines:
-        from ..clean.leftovers import plan_engines
+        from ..clean.leftovers.act import plan_engines
         from ..clean.present import rpc_dirs
 
         plans.append(plan_engines(layout, policy, facts=p.facts, rpc_dirs=rpc_dirs(layout.root)))
