@@ -3,8 +3,8 @@
 kvctl compares states, actions, kinds and outcomes as members (`e.action is
 Action.KEPT`), never through their strings; importing them from here costs it
 no scan, /proc pass or decision code. Their old homes (`decide.State`,
-`cleanup.Action`, `scan.Kind`, `scan.FileType`, `gcrun.Outcome`, `orphans.Outcome`,
-`engines.families.EngineKind` and `Engine`) import them from here, so both
+`cleanup.Action`, `scan.Kind`, `gcrun.Outcome`, `orphans.Outcome`,
+`leftovers.families.EngineKind` and `Engine`) import them from here, so both
 spellings name the same members.
 """
 
@@ -42,18 +42,6 @@ class Action(StrEnum):
     FAILED = "failed"
 
 
-class FileType(StrEnum):
-    """What the scan found at a name (an entry's `type` in JSON): the first foreign check of every source."""
-
-    REGULAR = "regular"
-    SOCKET = "socket"
-    DIRECTORY = "directory"
-    SYMLINK = "symlink"
-    FIFO = "fifo"
-    DEVICE = "device"
-    OTHER = "other"
-
-
 class Kind(StrEnum):
     """What an entry is."""
 
@@ -82,7 +70,7 @@ class Engine(StrEnum):
     CUDA = "cuda"
 
 
-# Each engine leftover's kind to its engine (every family of a kind is one engine's: engines/families.py).
+# Each engine leftover's kind to its engine (every family of a kind is one engine's: clean/leftovers/families.py).
 ENGINE_OF: dict[Kind | EngineKind, Engine] = {
     EngineKind.VLLM_SHM: Engine.VLLM, EngineKind.VLLM_IPC: Engine.VLLM, EngineKind.SGLANG_SHM: Engine.SGLANG,
     EngineKind.SGLANG_IPC: Engine.SGLANG, EngineKind.NCCL_SHM: Engine.NCCL, EngineKind.CUDA_SHM: Engine.CUDA,

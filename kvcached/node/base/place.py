@@ -9,7 +9,7 @@ tags it. Finding the places is kvcached/node/places/discover.py's.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .enums import StrEnum
 from .layout import Layout
@@ -31,9 +31,13 @@ class Seen(StrEnum):
     TMP = "tmp"
 
 
-@dataclass(frozen=True)
-class Place:
-    """One filesystem where state can live, and what the node shows of whose it is."""
+class Place(NamedTuple):
+    """One filesystem where state can live, and what the node shows of whose it is.
+
+    A NamedTuple, immutable, rather than a frozen dataclass: every gc builds
+    the host's, and a dataclass costs a cold start its generated methods
+    (bench/bench_cli_start.py).
+    """
 
     kind: PlaceKind
     path: str                      # the directory as kvctl reaches it

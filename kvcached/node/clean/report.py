@@ -105,9 +105,12 @@ SOURCE_OF: dict[Kind | EngineKind, Source] = {**{k: Source.KVCACHED for k in Kin
                                                **{k: Source.ENGINES for k in EngineKind}}
 
 
-@dataclass(frozen=True)
-class Decision:
-    """What a decision found: a state, the reason (the source's own vocabulary), its detail, the PIDs it rests on."""
+class Decision(NamedTuple):
+    """What a decision found: a state, the reason (the source's own vocabulary), its detail, the PIDs it rests on.
+
+    Immutable, and a NamedTuple for the reason Candidate is one: a frozen dataclass is slow to build, and slow
+    to define at a cold start (bench/README.md).
+    """
 
     state: State
     reason: StrEnum

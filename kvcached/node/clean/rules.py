@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Generic, Protocol, TypeVar
 
-from ..base.enums import FileType, State, StrEnum
+from ..base.enums import State, StrEnum
 from ..state.sockdiag import Bind
 from .report import Decision
+from .scan import FileType
 
 DEFAULT_GRACE = 60.0
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..base import name_rules
-from ..base.enums import FileType, Kind
+from ..base.enums import Kind, StrEnum
 from ..base.ident import handle_reader
 from ..base.layout import Layout
 from ..state.lease import ofd_conflict
@@ -27,6 +27,18 @@ from .report import KVCACHED, Origin, Source
 
 if TYPE_CHECKING:
     from ..base.place import Place
+
+class FileType(StrEnum):
+    """What the scan found at a name (an entry's `type` in JSON): the first foreign check of every source."""
+
+    REGULAR = "regular"
+    SOCKET = "socket"
+    DIRECTORY = "directory"
+    SYMLINK = "symlink"
+    FIFO = "fifo"
+    DEVICE = "device"
+    OTHER = "other"
+
 
 _FILE_TYPES = {stat.S_IFLNK: FileType.SYMLINK, stat.S_IFREG: FileType.REGULAR, stat.S_IFSOCK: FileType.SOCKET,
                stat.S_IFDIR: FileType.DIRECTORY, stat.S_IFIFO: FileType.FIFO, stat.S_IFCHR: FileType.DEVICE,
@@ -120,7 +132,7 @@ def socket_candidate(path: str, name: str, deployment: str, st: os.stat_result, 
 
     A full node has eight of these per deployment, and building a 24-field
     NamedTuple by keyword cost several times building it from a tuple (bench/bench_gc.py's
-    scan share; bench/README.md); tests/fs/test_scan.py checks that both build the same value.
+    scan share; bench/README.md); tests/fs/test_scan_fast.py checks that both build the same value.
     """
     mode = st.st_mode
     ftype = _FILE_TYPES.get(stat.S_IFMT(mode), FileType.OTHER)

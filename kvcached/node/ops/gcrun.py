@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..base.enums import Category, EngineKind, KillOutcome, Kind, Outcome, State
 from ..base.errors import InvalidName, KvcachedError
@@ -98,19 +99,22 @@ class GcOptions:
         return bool(self.kinds) or not self.engine_kinds
 
 
-@dataclass(kw_only=True)
-class GcResult:
-    """What one gc run found, did and how it ended: every place it judged, the host's first."""
+class GcResult(NamedTuple):
+    """What one gc run found, did and how it ended: every place it judged, the host's first.
 
-    places: list[PlaceResult]          # each place's plans and report; without -A the host alone
+    A NamedTuple, immutable: a gc with nothing to judge builds one, and a
+    dataclass costs a cold start its generated methods (bench/bench_cli_start.py).
+    """
+
+    places: Sequence[PlaceResult]      # each place's plans and report; without -A the host alone
     dry_run: bool                      # what the run really was (a run not confirmed is a dry run)
     outcome: Outcome
     all_places: bool = False           # -A: every place of the node was looked for (kvcached.node.places)
-    orphans: list[tuple[DeploymentView, ProcessView]] = field(default_factory=list)
-    killable: set[int] = field(default_factory=set)     # orphan pids kvctl may terminate
-    killed: list[KillResult] = field(default_factory=list)
+    orphans: Sequence[tuple[DeploymentView, ProcessView]] = ()
+    killable: AbstractSet[int] = frozenset()  # orphan pids kvctl may terminate
+    killed: Sequence[KillResult] = ()
     declined: bool = False             # stale entries remain because nobody confirmed
-    place_errors: list[str] = field(default_factory=list)  # -A: what could not be read while finding places
+    place_errors: Sequence[str] = ()   # -A: what could not be read while finding places
     sight: Sight | None = None         # what the run could not see (sight.py): blind when it has reasons
     gpu: GpuReport | None = None       # the GPU holders, when the run judged engines
 
@@ -122,7 +126,7 @@ class GcResult:
         return report
 
     @property
-    def others(self) -> list[PlaceResult]:
+    def others(self) -> Sequence[PlaceResult]:
         """-A: every place but the host's."""
         return self.places[1:]
 
@@ -387,6 +391,6 @@ def run_delete(layout: Layout, name: str, *, grace: float | None = None, vouch: 
             what = "; ".join(f"{c.path}: {d.state} ({d.detail})" for c, d in doubtful[:3])
             raise Refused(f"{name}: liveness not proven dead ({what}); re-run with --yes to delete anyway")
     # The operator vouched for these: they go through the same guarded removal as stale ones.
-    vouched = {c.path: replace(d, state=State.STALE, detail=d.detail + "; deleted on request")
+    vouched = {c.path: d._replace(state=State.STALE, detail=d.detail + "; deleted on request")
                for c, d in doubtful}
     return execute(replace(p, decisions={**p.decisions, **vouched}), dry_run=False)

@@ -12,8 +12,7 @@ gcrun.run_gc), and a place alone (one an event touched) is one call.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..base.enums import Action, State
 
@@ -25,10 +24,12 @@ if TYPE_CHECKING:
     from .view import NodeView
 
 
-@dataclass
-class PlaceResult:
+class PlaceResult(NamedTuple):
     """One place of a run: its plans (`plan`), what gc did there (`report`: None when nothing was asked there
-    or nothing acted yet), and inspect's view of its deployments (`view`: None but for inspect)."""
+    or nothing acted yet), and inspect's view of its deployments (`view`: None but for inspect).
+
+    A NamedTuple, as places.run's types: a gc with nothing to judge builds the host's.
+    """
 
     plan: PlacePlan
     report: Report | None = None

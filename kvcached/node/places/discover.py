@@ -27,7 +27,7 @@ import errno
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ... import settings
 from ..base.layout import Layout
@@ -234,7 +234,7 @@ class _Finder:
 
     def add(self, ident: tuple[int, int], place: Place) -> None:
         if ident not in self.host_ids and ident not in self.by_id:
-            self.by_id[ident] = replace(place, ino=ident[1])
+            self.by_id[ident] = place._replace(ino=ident[1])
 
     def visible(self, mounts: Iterable[Mount]) -> frozenset[int]:
         """The devices a namespace's processes can use: its mounts, less the kubelet's and runtimes' copies."""
@@ -315,8 +315,8 @@ class _Finder:
                 ids = (pod_uid, container, _hostname(self.proc_root, rep) if pod_uid else None)
             pod_uid, container, hostname = ids
             if known is not None:  # a pod volume or sandbox shm: now we know where the pod sees it
-                self.by_id[ident] = replace(known, path_inside=inside, container=known.container or container,
-                                            pod_uid=known.pod_uid or pod_uid, pod=known.pod or hostname)
+                self.by_id[ident] = known._replace(path_inside=inside, container=known.container or container,
+                                                   pod_uid=known.pod_uid or pod_uid, pod=known.pod or hostname)
                 continue
             self.add(ident, Place(PlaceKind.MOUNT_NAMESPACE, f"{root}{inside}", seen, m.dev, path_inside=inside,
                                   pod_uid=pod_uid, pod=hostname, container=container))
@@ -348,6 +348,6 @@ def discover(facts: Facts, host: Layout, *, kubelet_dir: str | None = None,
     for pid, p in facts.processes.items():
         for dev in per_ns.get(p.mnt_ns, ()):
             viewers.setdefault(dev, []).append(pid)
-    final = [replace(pl, pids=tuple(sorted(viewers.get(pl.dev, ())))) for pl in places if pl.dev is not None]
-    return Places(replace(HOST, path=host.root), final, {d: tuple(sorted(v)) for d, v in viewers.items()},
+    final = [pl._replace(pids=tuple(sorted(viewers.get(pl.dev, ())))) for pl in places if pl.dev is not None]
+    return Places(HOST._replace(path=host.root), final, {d: tuple(sorted(v)) for d, v in viewers.items()},
                   finder.errors)

@@ -25,8 +25,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..base.enums import EngineKind, Kind, State
 from ..base.layout import Layout
@@ -43,8 +43,11 @@ if TYPE_CHECKING:
     from .discover import Places
 
 
-@dataclass
-class PlacePlan:
+# The types here are NamedTuples, not dataclasses: a gc with nothing to judge builds the host's PlacePlan, and
+# a dataclass costs a cold start its generated methods (bench/bench_cli_start.py).
+
+
+class PlacePlan(NamedTuple):
     """One place's plans: kvcached's own state in it, the engines' leftovers in it (each None when not asked)."""
 
     place: Place
@@ -65,13 +68,12 @@ class PlacePlan:
         return out
 
 
-@dataclass
-class PlacesPlan:
+class PlacesPlan(NamedTuple):
     """Every place's plan, the host's first, from one /proc pass."""
 
     places: Places
-    plans: list[PlacePlan] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+    plans: list[PlacePlan]
+    errors: list[str]
 
     def any_stale(self) -> bool:
         return any(pp.any_stale() for pp in self.plans)
@@ -81,8 +83,7 @@ class PlacesPlan:
         return self.plans[0]
 
 
-@dataclass(frozen=True, kw_only=True)
-class Scope:
+class Scope(NamedTuple):
     """What every place of one round is judged with: one /proc pass, the places it shows, the run's filters."""
 
     layout: Layout                      # the host's
@@ -185,14 +186,11 @@ def plan_place(place: Place, scope: Scope, host_plan: Plan | None = None) -> Pla
     `host_plan`: the host's kvcached plan the caller made from the same facts
     (gc's, which also finds orphans), used as it is for the host.
     """
-    out = PlacePlan(place)
     if place.is_host:
-        out.plan = host_plan  # gc's: judged even when --kind leaves it nothing to act on (an empty part)
-    elif scope.kvcached:
-        out.plan = _plan_kvcached(place, scope)
-    if scope.engines:
-        out.engines = _plan_engines(place, scope)
-    return out
+        plan = host_plan  # gc's: judged even when --kind leaves it nothing to act on (an empty part)
+    else:
+        plan = _plan_kvcached(place, scope) if scope.kvcached else None
+    return PlacePlan(place, plan, _plan_engines(place, scope) if scope.engines else None)
 
 
 def plan_places(layout: Layout, policy: Policy, facts: Facts, *, kvcached: bool = True, engines: bool = False,

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ...base.enums import FileType, State, StrEnum
+from ...base.enums import State, StrEnum
 from .. import rules
 from ..facts import START_SLACK
 from ..report import Decision
 from ..rules import GroupRule, Policy, SharedReason, raise_groups
+from ..scan import FileType
 from .evidence import EngineEvidence
 from .families import Evidence, Where
 from .scan import EngineCandidate
