@@ -27,7 +27,7 @@ def test_the_name_patterns_load_alone() -> None:
 
 
 def test_the_cheap_prefixes_cover_every_family_in_dev_shm() -> None:
-    """names.engine_leftover_count skips names without one of these prefixes: none of a family's may lack one."""
+    """present.engine_leftover_count skips names without one of these prefixes: none of a family's may lack one."""
     import re
 
     from kvcached.node.clean.leftovers.families import FAMILIES, Where
@@ -44,7 +44,7 @@ def test_the_cheap_prefixes_cover_every_family_in_dev_shm() -> None:
 
 
 def test_the_cheap_rpc_shape_covers_every_family_in_rpc_dirs() -> None:
-    """names.engine_leftover_count skips RPC names of another length or prefix: real names of each family pass."""
+    """present.engine_leftover_count skips RPC names of another length or prefix: real names of each family pass."""
     import tempfile
     import uuid
 

@@ -16,7 +16,7 @@ the engines' own dead leftovers too (kvcached.node.clean.leftovers). It runs:
   stays for the next sweep or `kvctl gc`);
 - as its own uid even when that is root: other users' entries are foreign to
   it (a root engine in a pod does not clean the host for other users);
-- logged (logger `kvcached.node.sweep`, the engine's log): every path removed
+- logged (logger `kvcached.node.in_engine.sweep`, the engine's log): every path removed
   and one summary line, or why it skipped.
 
 KVCACHED_STARTUP_SWEEP=0 turns it off: nothing is read or touched.
@@ -40,7 +40,7 @@ from ..state.lease import ForkSafe
 if TYPE_CHECKING:
     from ..clean.report import Report
 
-log = logging.getLogger("kvcached.node.sweep")
+log = logging.getLogger(__name__)
 
 SWEEP_TIME_LIMIT_S = 10.0
 

@@ -10,7 +10,6 @@ import errno
 import os
 import re
 import stat
-import tempfile
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -226,29 +225,14 @@ def check_target(path: str) -> None:
 
 def write_textfile(path: str, body: str) -> None:
     """Replace `path` with `body` atomically; readers see the old file or the new one, never a mix."""
+    from ..base.files import replace_file
+
     check_target(path)
-    directory = os.path.dirname(os.path.abspath(path)) or "."
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    except OSError as e:
-        raise MetricsError(f"{path}: cannot write metrics ({e.strerror})") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; node_exporter often runs as another user
-        check_target(path)  # again, just before the rename: something may have been planted meanwhile
-        os.replace(tmp, path)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        if isinstance(e, OSError) and not isinstance(e, KvcachedError):
-            why = e.strerror or errno.errorcode.get(e.errno or 0, str(e))
-            raise MetricsError(f"{path}: cannot write metrics ({why})") from None
-        raise
+        replace_file(path, body, check=lambda: check_target(path))
+    except OSError as e:  # a MetricsError from the check is no OSError: it goes on as it is
+        why = e.strerror or errno.errorcode.get(e.errno or 0, str(e))
+        raise MetricsError(f"{path}: cannot write metrics ({why})") from None
 
 
 def _previous_text(path: str | None, sink: Sink | None) -> str:

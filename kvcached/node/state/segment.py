@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..base.errors import NotASegment, SegmentBusy, SegmentMissing
+from ..base.layout import SEGMENT_SIZE
 
-SEGMENT_SIZE = 24
 # Our runtime marks the segments it creates, so that one with an explicit name
 # is still recognisable once its socket directory and processes are gone (the
 # name alone says nothing: any file in /dev/shm could carry it). Upstream's
