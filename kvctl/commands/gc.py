@@ -224,7 +224,6 @@ def _after_each_run(heartbeat: str | None) -> Any:
 def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts) -> int:
     """gc --every: refuse what could never act, then one run after another until SIGTERM or SIGINT."""
     from contextlib import ExitStack
-    from dataclasses import replace
 
     from kvcached import settings
     from kvcached.node import check_options
@@ -250,7 +249,7 @@ def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts
             server = stack.enter_context(MetricsServer(loop.metrics_address, loop.metrics_port))
             host, port = server.address
             log_line(f"kvctl gc: serving the last run's metrics on http://{host}:{port}/metrics", "info")
-            opts = replace(opts, metrics_sink=server)
+            opts = opts._replace(metrics_sink=server)
         stop = stack.enter_context(Stop())
         return run_every(every, lambda: _one_run(opts, run, json_out), stop, after=_after_each_run(loop.heartbeat))
 

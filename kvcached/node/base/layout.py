@@ -1,7 +1,7 @@
 """Every path of a kvcached node, from one root, in both directions (docs/NODE.md §1-3)."""
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: a NamedTuple's string annotations are each compiled at
+# class creation (typing.ForwardRef), a cost every kvctl start pays (bench/bench_cli_start.py).
 import os
 from enum import Enum
 from pathlib import PurePosixPath
@@ -55,7 +55,7 @@ class Layout(NamedTuple):
     tmp: str | None = None
 
     @classmethod
-    def for_pid(cls, pid: int, proc_root: str = "/proc") -> Layout:
+    def for_pid(cls, pid: int, proc_root: str = "/proc") -> "Layout":
         """The node as process `pid` sees it (its mount namespace), reached from here."""
         return cls(root=f"{proc_root}/{pid}/root", seen_root="/")
 

@@ -6,8 +6,8 @@ this node's own /tmp and /dev/shm), so the type sits below the cleaner that
 tags it. Finding the places is kvcached/node/places/discover.py's.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: a NamedTuple's string annotations are each compiled at
+# class creation (typing.ForwardRef), a cost every kvctl start pays (bench/bench_cli_start.py).
 import os
 from typing import NamedTuple
 

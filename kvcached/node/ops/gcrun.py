@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..base.enums import Category, EngineKind, KillOutcome, Kind, Outcome, State
@@ -67,9 +67,14 @@ class BadRequest(KvcachedError):
     category = Category.BAD_INPUT
 
 
-@dataclass(frozen=True, kw_only=True)
-class GcOptions:
-    """Everything `kvctl gc` can be asked (by keyword: neighbouring flags must not swap in a reorder)."""
+class GcOptions(NamedTuple):
+    """Everything `kvctl gc` can be asked, immutable.
+
+    Given by keyword only (neighbouring flags must not swap in a reorder:
+    tests/cli/test_gc_idle.py holds every call site to it). A NamedTuple, not
+    a frozen dataclass: every kvctl gc builds one, and a dataclass costs a
+    cold start its generated methods (bench/bench_cli_start.py).
+    """
 
     layout: Layout
     names: Sequence[str] = ()          # names or globs; empty: every deployment
@@ -109,8 +114,8 @@ class GcResult(NamedTuple):
     places: Sequence[PlaceResult]      # each place's plans and report; without -A the host alone
     dry_run: bool                      # what the run really was (a run not confirmed is a dry run)
     outcome: Outcome
+    orphans: list[tuple[DeploymentView, ProcessView]]  # the orphaned processes the run saw (none: [])
     all_places: bool = False           # -A: every place of the node was looked for (kvcached.node.places)
-    orphans: Sequence[tuple[DeploymentView, ProcessView]] = ()
     killable: AbstractSet[int] = frozenset()  # orphan pids kvctl may terminate
     killed: Sequence[KillResult] = ()
     declined: bool = False             # stale entries remain because nobody confirmed
@@ -236,7 +241,7 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
             # No pass ran (nothing here could be ours): sight from the credentials and the /proc mount alone.
             empty = Report(dry_run=opts.dry_run, entries=[], errors=[], started=now, finished=now)
             result = GcResult(places=[PlaceResult(PlacePlan(HOST), empty)], dry_run=opts.dry_run,
-                              outcome=Outcome.CLEAN, sight=assess(opts.proc_root))
+                              outcome=Outcome.CLEAN, orphans=[], sight=assess(opts.proc_root))
     finally:
         if lock is not None:
             lock.release()
