@@ -63,8 +63,8 @@ startup, captured and captured_buffers (the engine owner's cleanup), view
 kvctl renders one report, section by section (kvctl/render_sources.py).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: a NamedTuple's string annotations are each compiled at
+# class creation (typing.ForwardRef), a cost every kvctl start pays (bench/bench_cli_start.py).
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -72,9 +72,9 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar
 
 from ..base.enums import ENGINE_OF, Action, Engine, EngineKind, Kind, State, StrEnum
+from ..base.place import Place
 
-if TYPE_CHECKING:  # both import nothing of the pipeline: report.py stays below the scans, decisions and act
-    from ..base.place import Place
+if TYPE_CHECKING:  # it imports nothing of the pipeline: report.py stays below the scans, decisions and act
     from .leftovers.families import Family
 
 
@@ -90,7 +90,7 @@ class Origin(NamedTuple):
     with kvctl -A the place it is in (None: this node's own /tmp and /dev/shm)."""
 
     source: Source
-    family: Family | None = None
+    family: "Family | None" = None
     place: Place | None = None
 
     @property
@@ -234,7 +234,7 @@ class Report:
         """The sources this run judged, in order (a source that found nothing is still one: it looked)."""
         return tuple(p.source for p in self._parts)
 
-    def part(self, source: Source) -> Report | None:
+    def part(self, source: Source) -> "Report | None":
         """The entries of one source as a report of their own (None: the run did not judge that source)."""
         for p in self._parts:
             if p.source is source:

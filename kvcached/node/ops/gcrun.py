@@ -136,11 +136,13 @@ class GcResult(NamedTuple):
         return self.places[1:]
 
 
-# (every place's plans acted on as a dry run, the host's first) -> remove?; None: nobody to ask (cron), so
-# do not remove.
-Confirm = Callable[[list["PlaceResult"]], bool]
-ConfirmKill = Callable[[list[tuple["DeploymentView", "ProcessView"]]], bool]
-ConfirmGpuKill = Callable[[list["GpuHolder"]], bool]
+if TYPE_CHECKING:  # only annotations name them: a cold start builds no typing aliases
+    # (every place's plans acted on as a dry run, the host's first) -> remove?; None: nobody to ask (cron), so
+    # do not remove.
+    Confirm = Callable[[list[PlaceResult]], bool]
+    Orphans = list[tuple[DeploymentView, ProcessView]]
+    ConfirmKill = Callable[[Orphans], bool]
+    ConfirmGpuKill = Callable[[list[GpuHolder]], bool]
 
 
 def _split(names: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -158,9 +160,6 @@ def make_plan(layout: Layout, names: Sequence[str] = (), grace: float | None = N
     exact, globs = _split(names)
     return plan(layout, Policy(grace=DEFAULT_GRACE if grace is None else grace), facts=facts,
                 names=exact + list(extra), globs=globs, kinds=kinds, proc_root=proc_root)
-
-
-Orphans = list[tuple["DeploymentView", "ProcessView"]]
 
 
 def _orphans(p: Plan) -> tuple[Orphans, set[int], Orphans]:
