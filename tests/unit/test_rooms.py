@@ -9,7 +9,7 @@
   the same names (the TYPE_CHECKING block lists exactly the table's).
 - docs/ARCHITECTURE.md names every package and module of the tree, under a
   heading for its folder: a module added without a line there fails here.
-- One name, one thing (docs/CONTRIBUTING.md): a class name is one class in the
+- One name, one thing (docs/CONTRIBUTING.md §14): a class name is one class in the
   product (kvcached/ and kvctl/); each module's logger is named by the module
   (`logging.getLogger(__name__)`); a comment or docstring that names a file
   names one that exists.
