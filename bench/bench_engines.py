@@ -42,7 +42,7 @@ from kvcached.node.base.layout import Layout
 from kvcached.node.clean.cleanup import execute, plan
 from kvcached.node.clean.decide import Policy
 from kvcached.node.clean.facts import gather_facts
-from kvcached.node.clean.leftovers import plan_engines
+from kvcached.node.clean.leftovers.act import plan_engines
 
 TREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -36,8 +36,8 @@ import time
 from kvcached.node.base.layout import Layout
 from kvcached.node.clean.cleanup import execute
 from kvcached.node.clean.facts import gather_facts
-from kvcached.node.clean.leftovers import plan_engines
-from kvcached.node.gpu import find_holders, prepare
+from kvcached.node.clean.leftovers.act import plan_engines
+from kvcached.node.gpu.holders import find_holders, prepare
 from kvcached.node.ops.gcrun import make_plan
 
 

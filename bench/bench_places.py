@@ -88,7 +88,7 @@ def host_pass(root: str) -> int:
     from kvcached.node.clean.cleanup import execute, plan
     from kvcached.node.clean.decide import Policy
     from kvcached.node.clean.facts import gather_facts
-    from kvcached.node.clean.leftovers import plan_engines
+    from kvcached.node.clean.leftovers.act import plan_engines
     from kvcached.node.clean.report import Source
 
     layout, policy = Layout(root), Policy(grace=60)
@@ -106,13 +106,14 @@ def places_pass(root: str, kubelet: str) -> int:
     from kvcached.node.clean.decide import Policy
     from kvcached.node.clean.facts import gather_facts
     from kvcached.node.clean.report import Source
-    from kvcached.node.places.run import execute_places, plan_places
+    from kvcached.node.ops.rounds import act
+    from kvcached.node.places.run import plan_places
 
     layout, policy = Layout(root), Policy(grace=60)
     facts = gather_facts()
     host = plan(layout, policy, facts=facts)
     pp = plan_places(layout, policy, facts, engines=True, kubelet_dir=kubelet, host_plan=host)
-    results = execute_places(pp, dry_run=True)
+    results = [act(plan, dry_run=True) for plan in pp.plans]
     return sum(r.report.count(source=Source.ENGINES) for r in results if r.report is not None)
 
 

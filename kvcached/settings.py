@@ -273,6 +273,10 @@ REQUIRE_EXT = Setting("KVCACHED_REQUIRE_EXT", "flag", False,
                       strict="a build meant to fail without the extension would pass as one where it is optional")
 
 # kvctl.
+# vLLM's own, read as vLLM reads it (an absolute path; anything else points nowhere, and is ignored).
+VLLM_RPC_BASE_PATH = Setting[str | None]("VLLM_RPC_BASE_PATH", "path", None,
+                                         "vLLM's own: where its ZMQ IPC sockets are; kvctl's engine pass looks there "
+                                         "besides /tmp (re-based under --root)", text)
 KVCTL_ROOT = Setting[str | None]("KVCTL_ROOT", "path", None,
                                  "default for kvctl --root (read by kvctl's command line)", text)
 KVCTL_LOCK = Setting[str | None]("KVCTL_LOCK", "path", None, "path of kvctl gc's node-wide lock file",
@@ -303,6 +307,6 @@ SANDBOX_SHM: tuple[tuple[str, str, str], ...] = (
 ALL: tuple[Setting[Any], ...] = (
     ENABLE_KVCACHED, ENABLE, ELASTIC, VLLM_PLUGINS, SGLANG_PLUGINS, IPC_NAME, ROOT, DP_SERVE, LIMIT,
     PUBLISH_INTERVAL_S, OWNER_EXIT_WAIT_S, OWNER_RETRY_S, STARTUP_SWEEP, STARTUP_SWEEP_ENGINES, PAGE_SIZE,
-    ELASTIC_RESERVE_PAGES, ELASTIC_RELEASE_DELAY_S, NVIDIA_GPUS_DIR, NO_CUDA, REQUIRE_EXT, KVCTL_ROOT, KVCTL_LOCK,
-    KVCTL_EVERY_MIN_S, KVCTL_KUBELET_DIR, KVCTL_SANDBOX_ROOT,
+    ELASTIC_RESERVE_PAGES, ELASTIC_RELEASE_DELAY_S, NVIDIA_GPUS_DIR, NO_CUDA, REQUIRE_EXT, VLLM_RPC_BASE_PATH,
+    KVCTL_ROOT, KVCTL_LOCK, KVCTL_EVERY_MIN_S, KVCTL_KUBELET_DIR, KVCTL_SANDBOX_ROOT,
 )

@@ -15,7 +15,17 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvcached.node import CheckResult, DeploymentView, Entry, GcResult, NodeView, Report, SegmentInfo
+    from kvcached.node import (
+        CheckResult,
+        DeploymentView,
+        Entry,
+        GcResult,
+        GpuReport,
+        NodeView,
+        PlaceResult,
+        Report,
+        SegmentInfo,
+    )
 
 
 def list_row(d: DeploymentView) -> dict[str, Any]:
@@ -193,7 +203,7 @@ def gc_document(root: str, result: GcResult, code: IntEnum) -> dict[str, Any]:
                   orphans=[{"deployment": d.name, **o.to_dict()} for d, o in result.orphans],
                   killed=[k.to_dict() for k in result.killed],
                   blind=result.sight.to_dict() if result.sight is not None else None)
-    if result.places is not None:
+    if result.all_places:
         _add_places(doc, result)
     return doc
 
@@ -214,15 +224,14 @@ def _add_places(doc: dict[str, Any], result: GcResult) -> None:
 
     The summary counts every place's entries (and `summary.engines` every place's engine leftovers).
     """
-    from kvcached.node import HOST_PLACE as HOST
-    from kvcached.node import PlaceResult, Source
+    from kvcached.node import Source
 
-    host = {**HOST.to_dict(), "path": doc["root"]}
+    host = {**result.places[0].place.to_dict(), "path": doc["root"]}
     rows = [{**row, "place": host} for row in doc["entries"]]
     summary: dict[str, Any] = doc["summary"]
     errors: list[str] = doc["errors"]
-    listed = [PlaceResult(HOST, result.report).to_dict() | {"path": doc["root"]}]
-    for r in result.places or ():
+    listed = [result.places[0].to_dict() | {"path": doc["root"]}]
+    for r in result.others:
         listed.append(r.to_dict())
         if r.report is None:
             continue
@@ -248,12 +257,12 @@ def _inspect(view: NodeView) -> dict[str, Any]:
     return {"schema": "kvctl.inspect/1", **view.to_dict()}
 
 
-def inspect_document(view: NodeView, pid: int | None, engines: Sequence[Entry[Any]] = (), gpu: Any = None,
-                     places: Sequence[Any] | None = None) -> dict[str, Any]:
+def inspect_document(view: NodeView, pid: int | None, engines: Sequence[Entry[Any]] = (), gpu: GpuReport | None = None,
+                     places: Sequence[PlaceResult] | None = None) -> dict[str, Any]:
     """`inspect --json` (inspect.json): the node's view, the `--pid` it was seen through, the engines' leftovers,
     the GPU holders (kvcached.node.gpu.GpuReport).
 
-    With `places` (inspect -A: the face's PlaceView, host first), every deployment and
+    With `places` (inspect -A: the face's PlaceResult of every place, host first), every deployment and
     engine entry carries its place, and the document lists the places.
     """
     doc = {**_inspect(view), "pid": pid, "engine_state": [e.to_dict() for e in engines],
@@ -269,7 +278,7 @@ def inspect_document(view: NodeView, pid: int | None, engines: Sequence[Entry[An
         if pv.view is not None:
             doc["deployments"] += [{**d.to_dict(), "place": where} for d in pv.view.deployments]
             doc["unowned"] += [e.to_dict() for e in pv.view.unowned]
-        doc["engine_state"] += [{**e.to_dict(), "place": where} for e in pv.engines]
+        doc["engine_state"] += [{**e.to_dict(), "place": where} for e in pv.engine_entries()]
     doc["places"] = [pv.to_dict() for pv in places]
     doc["places"][0]["path"] = view.layout.root
     return doc

@@ -14,7 +14,6 @@ Annotations here and in kvctl/commands/ are evaluated when the module loads
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
@@ -31,14 +30,21 @@ HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 NEGATIVE_OK = {"ignore_unknown_options": True, **HELP_OPTIONS}
 
 
-@dataclass(kw_only=True)
 class Globals:
-    """The run's global options (`kvctl --root DIR -v gc`), whether given before or after the command."""
+    """The run's global options (`kvctl --root DIR -v gc`), whether given before or after the command.
 
-    root: str = "/"     # the node root, resolved (realpath) once the command's options are parsed
-    verbose: int = 0
-    json: bool = False  # --json anywhere on the line: errors are JSON objects on stdout too
-    root_arg: Optional[str] = None  # --root (or KVCTL_ROOT) as given
+    A plain class: every kvctl run makes one, and a dataclass costs a cold start its generated
+    methods (bench/bench_cli_start.py).
+    """
+
+    __slots__ = ("root", "verbose", "json", "root_arg")
+
+    def __init__(self, *, root: str = "/", verbose: int = 0, json: bool = False,
+                 root_arg: Optional[str] = None) -> None:
+        self.root = root            # the node root, resolved (realpath) once the command's options are parsed
+        self.verbose = verbose
+        self.json = json            # --json anywhere on the line: errors are JSON objects on stdout too
+        self.root_arg = root_arg    # --root (or KVCTL_ROOT) as given
 
     def resolve(self) -> None:
         """Check and resolve --root; a bad one is a usage error."""

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .render import Out, render_view
 
+if TYPE_CHECKING:
+    from kvcached.node import GcResult, Place, PlaceResult
 
-def _heading(out: Out, place: Any, stale_bytes: int, stale: int) -> None:
+
+def _heading(out: Out, place: Place, stale_bytes: int, stale: int) -> None:
     from kvcached.node import format_size
 
     dead = f": {stale} stale" if stale else ""
@@ -22,8 +25,9 @@ def _with_all(hint: Callable[[str], str]) -> Callable[[str], str]:
     return lambda c: hint(c.replace("gc ", "gc -A ", 1) if c.startswith("gc ") else c)
 
 
-def render_places_view(out: Out, places: Sequence[Any], *, now: float, hint: Callable[[str], str]) -> None:
-    """inspect -A: each place (places.run.PlaceView), its deployments and engine leftovers, what could not be read."""
+def render_places_view(out: Out, places: Sequence[PlaceResult], *, now: float, hint: Callable[[str], str]) -> None:
+    """inspect -A: each place (the face's PlaceResult), its deployments and engine leftovers, what could not be
+    read."""
     from .render_sources import render_engine_view
 
     for i, pv in enumerate(places):
@@ -34,23 +38,22 @@ def render_places_view(out: Out, places: Sequence[Any], *, now: float, hint: Cal
         here = hint if pv.place.is_host else _with_all(hint)
         if pv.view is not None and (pv.place.is_host or pv.view.deployments or pv.view.unowned):
             render_view(out, pv.view, now=now, hint=here)
-        if pv.engines:
+        engines = pv.engine_entries()
+        if engines:
             out.blank()
-            render_engine_view(out, pv.engines, hint=here)
-        for err in pv.errors:
+            render_engine_view(out, engines, hint=here)
+        for err in pv.all_errors():
             out.line(("could not read: ", "yellow"), err)
     found = len(places) - 1
     out.blank()
     out.line(f"{found} place{'' if found == 1 else 's'} besides the host's")
 
 
-def render_places_report(out: Out, result: Any, *, verbose: bool, terminal: bool) -> None:
+def render_places_report(out: Out, result: GcResult, *, verbose: bool, terminal: bool) -> None:
     """gc -A: the host's report, then each other place's (kvcached's entries, then the engines')."""
-    from kvcached.node import HOST_PLACE, PlaceResult
-
     from .render_sources import render_run
 
-    for i, r in enumerate([PlaceResult(HOST_PLACE, result.report), *(result.places or ())]):
+    for i, r in enumerate(result.places):
         if i:
             out.blank()
         d = r.to_dict()
@@ -61,7 +64,7 @@ def render_places_report(out: Out, result: Any, *, verbose: bool, terminal: bool
         out.line(("could not read: ", "yellow"), err)
 
 
-def render_places_preview(out: Out, places: Sequence[Any], *, verbose: bool) -> None:
+def render_places_preview(out: Out, places: Sequence[PlaceResult], *, verbose: bool) -> None:
     """gc -A's question: what each other place's dry run would remove, under its heading."""
     from .render_sources import render_run
 
@@ -74,12 +77,12 @@ def render_places_preview(out: Out, places: Sequence[Any], *, verbose: bool) -> 
         render_run(out, r.report, verbose=verbose, grouped=True)
 
 
-def places_summary_line(result: Any) -> str:
+def places_summary_line(result: GcResult) -> str:
     """`places: 6 besides the host's, removed 7 (260K) in 4`: gc -A's other places in one line (--every)."""
     from kvcached.node import Action, format_size
 
     gone = Action.WOULD_REMOVE if result.dry_run else Action.REMOVED
-    places = result.places or ()
+    places = result.others
     n = acted = held = 0
     for r in places:
         here = r.report.count(action=gone) if r.report is not None else 0
@@ -91,10 +94,10 @@ def places_summary_line(result: Any) -> str:
         f" ({format_size(held)}) in {acted}" if n else "")
 
 
-def log_places(result: Any) -> None:
+def log_places(result: GcResult) -> None:
     """What cron must see of gc -A's other places: each one's failures and summary, where it had entries."""
     from .render_sources import log_run
 
-    for r in result.places or ():
+    for r in result.others:
         if r.report is not None and r.report.entries:
             log_run(r.report, f"kvctl gc -A [{r.place.label}]")

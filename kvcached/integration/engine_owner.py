@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from .. import settings
-from ..node import BufferCleanup, Layout, OwnerResult, SegmentCleanup, WorkerSocketCleanup
+from ..node import BufferCleanup, Layout, Report, SegmentCleanup, WorkerSocketCleanup
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class EngineOwner:
         self.complete = False
         self._lock = threading.RLock()
         self._retry: threading.Thread | None = None
-        self.results: list[OwnerResult] = []
+        self.results: list[Report] = []
         self.retries = 0  # retry steps taken after the shutdown (for logs and tests)
 
     def capture(self) -> None:

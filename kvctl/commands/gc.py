@@ -44,14 +44,15 @@ class KindChoice(StrEnum):
 NODE_KIND: dict[KindChoice, Kind | EngineKind] = {KindChoice(m.value): m for m in (*Kind, *EngineKind)}
 
 
-def _asker(out: Out, run: Globals) -> Any:
+def _asker(out: Out, run: Globals, all_places: bool) -> Any:
     """gc's question before it removes (on a terminal): the plan, one row per deployment, then yes or no."""
 
-    def confirm(preview: Any, places: Any = None) -> bool:
+    def confirm(dry: list[Any]) -> bool:
         if not interactive():
             return False
         from ..render_sources import render_run
 
+        preview, places = dry[0].report, dry[1:] if all_places else None
         render_run(out, preview, verbose=run.verbose > 0, grouped=True)
         gone = [e for e in preview.entries if e.action is Action.WOULD_REMOVE and e.engine is None]
         deps = len({e.candidate.deployment for e in gone})
@@ -81,7 +82,7 @@ def _confirm_kill(targets: list[Any]) -> bool:
 def _run(opts: Any, out: Out, run: Globals, json_out: bool) -> Any:
     from kvcached.node import run_gc
 
-    confirm = _asker(out, run)
+    confirm = _asker(out, run, opts.all_places)
     if out.terminal and not json_out and not opts.dry_run and (opts.yes or not interactive()):
         from ..progress import Progress
 
@@ -154,7 +155,7 @@ def _run_line(result: Any, code: int) -> tuple[str, str]:
     from ..render_sources import run_line
 
     line = f"kvctl gc: {run_line(result.report)}"
-    if result.places is not None:
+    if result.all_places:
         from ..render_places import places_summary_line
 
         line += f"; {places_summary_line(result)}"
@@ -223,7 +224,6 @@ def _after_each_run(heartbeat: str | None) -> Any:
 def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts) -> int:
     """gc --every: refuse what could never act, then one run after another until SIGTERM or SIGINT."""
     from contextlib import ExitStack
-    from dataclasses import replace
 
     from kvcached import settings
     from kvcached.node import check_options
@@ -249,7 +249,7 @@ def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts
             server = stack.enter_context(MetricsServer(loop.metrics_address, loop.metrics_port))
             host, port = server.address
             log_line(f"kvctl gc: serving the last run's metrics on http://{host}:{port}/metrics", "info")
-            opts = replace(opts, metrics_sink=server)
+            opts = opts._replace(metrics_sink=server)
         stop = stack.enter_context(Stop())
         return run_every(every, lambda: _one_run(opts, run, json_out), stop, after=_after_each_run(loop.heartbeat))
 
@@ -312,15 +312,14 @@ MetricsAddressOpt = Annotated[
 def _declined(run: Globals, opts: Any, result: Any, min_age: float) -> None:
     """Nothing removed because nobody confirmed: how many stale entries remain, and the command that removes them."""
     again = ("gc -A" if opts.all_places else "gc") + (" --engines --yes" if opts.engine_pass else " --yes")
-    stale = len(result.report.stale_remaining) + sum(len(r.report.stale_remaining) for r in result.places or ()
-                                                     if r.report is not None)
+    stale = sum(len(r.report.stale_remaining) for r in result.places if r.report is not None)
     note(f"nothing removed: {stale} stale entr{'y' if stale == 1 else 'ies'} remain; "
          f"re-run with --yes to remove them ({run.hinter(min_age)(again)})")
 
 
 def _show(out: Out, run: Globals, result: Any) -> None:
     """gc's report on stdout: a row per deployment (or engine) on a terminal (every entry with -v), else per entry."""
-    if result.places is not None:
+    if result.all_places:
         from ..render_places import render_places_report
 
         render_places_report(out, result, verbose=run.verbose > 0, terminal=out.terminal)
@@ -335,7 +334,7 @@ def _log(result: Any) -> None:
     from ..render_sources import log_run
 
     log_run(result.report)
-    if result.places is not None:
+    if result.all_places:
         from ..render_places import log_places
 
         log_places(result)

@@ -74,12 +74,12 @@ def _all_places(run: Any, names: list[str], min_age: float, kubelet_dir: Optiona
     prepare(p.facts)  # the places' one read of the maps also finds GPU mappings
     pp = plan_places(p.layout, p.policy, p.facts, engines=not names, kubelet_dir=kubelet_dir, host_plan=p,
                      now=p.now, names=names)
-    places = view_places(pp, view, lambda plan: build_view(plan, namespaces=False))
+    places = view_places(pp, view)
     if names and not any(pv.view is not None and pv.view.deployments for pv in places):
         raise CliError(f"no deployment matches {' '.join(names)} in any place", Exit.NOT_FOUND)
     gpu = find_holders(p.facts)
     if json_out:
-        emit_json(inspect_document(view, None, places[0].engines, gpu=gpu, places=places))
+        emit_json(inspect_document(view, None, places[0].engine_entries(), gpu=gpu, places=places))
         return Exit.OK
     from ..render_places import render_places_view
 

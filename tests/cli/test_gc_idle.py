@@ -18,6 +18,8 @@ from kvcached.node.ops.gcrun import GcOptions, NoMatch, run_gc
 
 from .conftest import kvctl
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def test_what_may_hold_state(layout) -> None:
     assert node_dirs(layout.root) == (layout.tmp_dir, layout.shm_dir)
@@ -70,3 +72,23 @@ def test_gc_on_an_idle_node_loads_no_scan_or_decision(layout) -> None:
     # hashlib loads OpenSSL (5-10 ms of a 100 ms run): only a socket directory's hash check needs it.
     assert "hashlib" not in mods
     assert kvctl("--root", layout.root, "gc", "nothing").code == 6
+
+
+def test_every_gc_options_is_given_by_keyword() -> None:
+    """GcOptions is a NamedTuple (cheap to define at a cold start), so nothing but this holds its call sites to
+    keywords: two neighbouring flags swapped in a reorder would change what a run does, silently."""
+    import ast
+
+    positional = []
+    for top in ("kvcached", "kvctl", "tests", "bench", "scripts"):
+        for folder, _, names in os.walk(os.path.join(REPO, top)):
+            for name in names:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+                positional += [f"{os.path.relpath(path, REPO)}:{node.lineno}" for node in ast.walk(tree)
+                               if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "GcOptions"
+                               and node.args]
+    assert not positional, f"GcOptions given positional arguments: {positional}"

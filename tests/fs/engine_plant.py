@@ -23,12 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from kvcached.node.base.enums import StrEnum
 from kvcached.node.base.layout import Layout
 from kvcached.node.clean import cleanup
 from kvcached.node.clean.decide import Policy, State
-from kvcached.node.clean.leftovers import EngineReason, plan_engines
-from kvcached.node.clean.leftovers.act import EnginePlan
+from kvcached.node.clean.leftovers.act import EnginePlan, plan_engines
+from kvcached.node.clean.leftovers.decide import EngineReason
 from kvcached.node.clean.leftovers.evidence import pid_view_gap
+from kvcached.node.clean.rules import SharedReason
 from kvcached.node.ops import gcrun
 
 # Whether this machine's /proc shows every process (the initial PID namespace's procfs). In a container's
@@ -181,7 +183,7 @@ def engine_plan(n: Node, paths: list[str], **kw: object) -> EnginePlan:
     return plan_engines(n.layout, Policy(grace=60), names=names_of(paths), **kw)  # type: ignore[arg-type]
 
 
-def by_path(p: EnginePlan) -> dict[str, tuple[State, EngineReason]]:
+def by_path(p: EnginePlan) -> dict[str, tuple[State, StrEnum]]:
     return {c.path: (d.state, d.reason) for c, d in p.entries()}
 
 
@@ -197,7 +199,7 @@ def assert_plain_gc_ignores(n: Node, paths: list[str]) -> None:
     assert all(os.path.lexists(x) for x in paths), [x for x in paths if not os.path.lexists(x)]
 
 
-def plant_matrix(n: Node, kids: Children, old: float = OLD) -> tuple[dict[str, tuple[State, EngineReason]], list[str]]:
+def plant_matrix(n: Node, kids: Children, old: float = OLD) -> tuple[dict[str, tuple[State, StrEnum]], list[str]]:
     """Every family live and dead, young, foreign; (expected decision by path, every planted path).
 
     `old`: how long ago the old entries changed (their mtime; a grace age below it makes the dead ones stale).
@@ -209,9 +211,9 @@ def plant_matrix(n: Node, kids: Children, old: float = OLD) -> tuple[dict[str, t
     def s(name: str, *, age: float = old) -> str:
         return n.socket(name, age=age)
 
-    want: dict[str, tuple[State, EngineReason]] = {}
+    want: dict[str, tuple[State, StrEnum]] = {}
     stale, live = State.STALE, State.LIVE
-    R = EngineReason
+    R, S = EngineReason, SharedReason
     # dead
     for make in ("psm_{hex8}", "vllm_mm_" + "A" * 14 + "{hex8}", "nccl-{alnum6}", "cuda.shm.0.1a2b.{hex8}",
                  "sglang_loads_t_{hex8}.shm"):
@@ -221,8 +223,8 @@ def plant_matrix(n: Node, kids: Children, old: float = OLD) -> tuple[dict[str, t
         path = f(n.fresh(n.shm, make))
         assert not os.path.exists(f"/proc/{dead}"), "PID reused at once; rerun"
         want[path] = (stale, R.CREATOR_GONE)
-    want[s(n.fresh(n.tmp, "{uuid}"))] = (stale, R.NOT_LISTENING)
-    want[s(n.fresh(n.tmp, "tmp{tmp8}"))] = (stale, R.NOT_LISTENING)  # SGLang's, after its serve was killed
+    want[s(n.fresh(n.tmp, "{uuid}"))] = (stale, S.NOT_LISTENING)
+    want[s(n.fresh(n.tmp, "tmp{tmp8}"))] = (stale, S.NOT_LISTENING)  # SGLang's, after its serve was killed
     # live: mapped only, held only, a live creator, a listener
     mapped = f(n.fresh(n.shm, "psm_{hex8}"))
     mapper = kids.spawn(MAPPER, mapped)
@@ -233,8 +235,8 @@ def plant_matrix(n: Node, kids: Children, old: float = OLD) -> tuple[dict[str, t
     holder = kids.spawn(HOLDER, held)
     with open(f"/proc/{holder.pid}/maps") as maps:
         assert held not in maps.read(), "the holder must not map it"
-    want[held] = (live, R.HELD_OPEN)
-    want[kids_file(kids, f, n, "cuda.shm.0.1a2b.{hex8}", HOLDER)] = (live, R.HELD_OPEN)
+    want[held] = (live, S.HELD_OPEN)
+    want[kids_file(kids, f, n, "cuda.shm.0.1a2b.{hex8}", HOLDER)] = (live, S.HELD_OPEN)
     want[kids_file(kids, f, n, "sglang_loads_t_{hex8}.shm", MAPPER)] = (live, R.MAPPED)
     creator = kids.spawn(SLEEPER)
     for make in (f"sgl_shm_mm_{creator.pid}_{{hex8}}", f"multi_tokenizer_args_{creator.pid}"):
@@ -244,36 +246,36 @@ def plant_matrix(n: Node, kids: Children, old: float = OLD) -> tuple[dict[str, t
         n.planted.append(listening)
         kids.spawn(LISTENER, listening)
         backdate(listening, old)
-        want[listening] = (live, R.LISTENING)
+        want[listening] = (live, S.LISTENING)
     # young (not a psm_ name: a concurrent suite's sweep of its own vLLM buffers, tests/conftest.py, removes
     # unused psm_ files that appeared during it; dead, mapped and non-regular psm_ entries are safe from it)
-    want[f(n.fresh(n.shm, "vllm_mm_" + "B" * 14 + "{hex8}"), age=0)] = (State.YOUNG, R.YOUNG)
-    want[s(n.fresh(n.tmp, "{uuid}"), age=0)] = (State.YOUNG, R.YOUNG)
+    want[f(n.fresh(n.shm, "vllm_mm_" + "B" * 14 + "{hex8}"), age=0)] = (State.YOUNG, S.YOUNG)
+    want[s(n.fresh(n.tmp, "{uuid}"), age=0)] = (State.YOUNG, S.YOUNG)
     # foreign: a symlink (to a dead buffer's data under another name), a hard link, a FIFO, a directory
     target = f(n.fresh(n.shm, "target-{hex8}"))
     link = os.path.join(n.shm, n.fresh(n.shm, "psm_{hex8}"))
     os.symlink(target, link)
     n.planted.append(link)
-    want[link] = (State.FOREIGN, R.SYMLINK)
+    want[link] = (State.FOREIGN, S.SYMLINK)
     linked = f(n.fresh(n.shm, "nccl-{alnum6}"))
     other_name = os.path.join(n.shm, n.fresh(n.shm, "hardlink-{hex8}"))
     os.link(linked, other_name)
     n.planted.append(other_name)
-    want[linked] = (State.FOREIGN, R.HARD_LINKED)
+    want[linked] = (State.FOREIGN, S.HARD_LINKED)
     fifo = os.path.join(n.shm, n.fresh(n.shm, "psm_{hex8}"))
     os.mkfifo(fifo)
     n.planted.append(fifo)
     backdate(fifo, old)
-    want[fifo] = (State.FOREIGN, R.WRONG_TYPE)
+    want[fifo] = (State.FOREIGN, S.WRONG_TYPE)
     sock_target = s(n.fresh(n.tmp, "target-{hex8}.sock"))
     tmp_link = os.path.join(n.tmp, n.fresh(n.tmp, "{uuid}"))
     os.symlink(sock_target, tmp_link)
     n.planted.append(tmp_link)
-    want[tmp_link] = (State.FOREIGN, R.SYMLINK)
+    want[tmp_link] = (State.FOREIGN, S.SYMLINK)
     directory = os.path.join(n.shm, n.fresh(n.shm, "nccl-{alnum6}"))
     os.mkdir(directory)
     n.planted.append(directory)
-    want[directory] = (State.FOREIGN, R.WRONG_TYPE)
+    want[directory] = (State.FOREIGN, S.WRONG_TYPE)
     # names that only look like a family's, dead and old: never looked at
     extra = [f(n.fresh(n.shm, make)) for make in ("psm_{hex8}0", "nccl-{alnum6}x", "sgl_shm_mm_0_{hex8}",
                                                   "cuda.shm.{hex8}", "multi_tokenizer_args_0{hex8}")]

@@ -270,7 +270,8 @@ def replace(base: str) -> dict:
     from kvcached.node.base.layout import Layout
     from kvcached.node.clean.decide import Policy
     from kvcached.node.clean.facts import gather_facts
-    from kvcached.node.places.run import execute_places, plan_places
+    from kvcached.node.ops.rounds import act
+    from kvcached.node.places.run import plan_places
 
     os.makedirs(f"{base}/root/tmp")
     os.makedirs(f"{base}/root/dev/shm")
@@ -284,7 +285,7 @@ def replace(base: str) -> dict:
     subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777", "kvctest", vol], check=True)
     for n in names:
         _plant(vol, n)
-    results = execute_places(pp, dry_run=False)
+    results = [act(plan, dry_run=False) for plan in pp.plans]
     actions = {e.candidate.name: [str(e.action), e.note] for r in results if r.report for e in r.report.entries}
     # Every entry outside the host carries its place in its origin.
     tagged = all(e.origin.place == r.place for r in results if r.report for e in r.report.entries)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvcached.node.clean.cleanup import Action, execute, plan, run_cleanup
 from kvcached.node.clean.decide import Policy, Reason, State
+from kvcached.node.clean.rules import SharedReason
 from kvcached.node.clean.scan import Kind
 from kvcached.node.state.segment import create_segment
 from kvcached.runtime.harness import start_deployment
@@ -145,12 +146,12 @@ def test_foreign_types_at_socket_paths_and_linked_segments_untouched(layout, uni
         backdate(p)
     report = by_path(run_cleanup(layout, NOW_POLICY, names=[seg_hard, seg_sym]))
     expect = {
-        layout.socket_path(uniq, 0): Reason.WRONG_TYPE,
-        layout.socket_path(uniq, 1): Reason.WRONG_TYPE,
-        layout.socket_path(uniq, 2): Reason.SYMLINK,
-        layout.socket_path(uniq, 0, 1): Reason.WRONG_TYPE,
-        layout.segment_path(seg_hard): Reason.HARD_LINKED,
-        layout.segment_path(seg_sym): Reason.SYMLINK,
+        layout.socket_path(uniq, 0): SharedReason.WRONG_TYPE,
+        layout.socket_path(uniq, 1): SharedReason.WRONG_TYPE,
+        layout.socket_path(uniq, 2): SharedReason.SYMLINK,
+        layout.socket_path(uniq, 0, 1): SharedReason.WRONG_TYPE,
+        layout.segment_path(seg_hard): SharedReason.HARD_LINKED,
+        layout.segment_path(seg_sym): SharedReason.SYMLINK,
     }
     for path, reason in expect.items():
         assert (report[path].state, report[path].decision.reason, report[path].action) == (
@@ -201,7 +202,7 @@ def test_upstream_listener_survives_scan_and_dry_run(layout, uniq) -> None:
         backdate(path)
         for _ in range(3):
             report = by_path(run_cleanup(layout, NOW_POLICY, dry_run=True))
-            assert report[path].state is State.LIVE and report[path].decision.reason is Reason.LISTENING
+            assert report[path].state is State.LIVE and report[path].decision.reason is SharedReason.LISTENING
         assert upstream_request(path)["status"] == "success"
         # The control: a bare connect does kill it, so the assertion above can fail.
         s = socket.socket(socket.AF_UNIX)
@@ -294,7 +295,7 @@ def test_segment_mapped_by_a_process_is_live(layout, uniq) -> None:
     try:
         assert holder.stdout.readline().strip() == "mapped"
         d = plan(layout, NOW_POLICY).decisions[path]
-        assert (d.state, d.reason, d.pids) == (State.LIVE, Reason.HELD_OPEN, (holder.pid,))
+        assert (d.state, d.reason, d.pids) == (State.LIVE, SharedReason.HELD_OPEN, (holder.pid,))
     finally:
         holder.stdin.close()
         holder.wait(10)

@@ -22,7 +22,10 @@ from kvcached.node.clean import cleanup
 from kvcached.node.clean.cleanup import Action, execute
 from kvcached.node.clean.decide import Policy, State
 from kvcached.node.clean.facts import START_SLACK
-from kvcached.node.clean.leftovers import EngineKind, EngineReason, plan_engines
+from kvcached.node.clean.leftovers.act import plan_engines
+from kvcached.node.clean.leftovers.decide import EngineReason
+from kvcached.node.clean.leftovers.families import EngineKind
+from kvcached.node.clean.rules import SharedReason
 
 from .engine_plant import (
     OLD,
@@ -181,7 +184,7 @@ _AS_USER = r"""
 import json, sys
 from kvcached.node.clean.decide import Policy
 from kvcached.node.clean.cleanup import execute
-from kvcached.node.clean.leftovers import plan_engines
+from kvcached.node.clean.leftovers.act import plan_engines
 from kvcached.node.base.layout import Layout
 names = [p.rsplit("/", 1)[1] for p in sys.argv[2:]]
 report = execute(plan_engines(Layout(sys.argv[1]), Policy(grace=60), names=names), dry_run=False)
@@ -202,7 +205,7 @@ def test_vllm_rpc_base_path_is_scanned_too(layout: Layout) -> None:
     try:
         dead = n.socket(n.fresh(base, "{uuid}"), directory=base)
         p = engine_plan(n, [dead], rpc_dirs=[base])
-        assert by_path(p) == {dead: (State.STALE, EngineReason.NOT_LISTENING)}
+        assert by_path(p) == {dead: (State.STALE, SharedReason.NOT_LISTENING)}
         assert execute(p, dry_run=False).entries[0].action is Action.REMOVED
     finally:
         n.cleanup()

@@ -9,7 +9,7 @@ import time
 from kvcached.node.base.layout import Layout
 from kvcached.node.clean.cleanup import execute, plan
 from kvcached.node.clean.decide import Policy
-from kvcached.node.clean.leftovers import plan_engines
+from kvcached.node.clean.leftovers.act import plan_engines
 from kvcached.node.ops import metrics
 
 _SAMPLE = re.compile(r"^(kvctl_gc_[a-z_]+)\{([^}]*)\} (\S+)$")

@@ -22,7 +22,8 @@ import pytest
 
 from kvcached.node.base.layout import Layout
 from kvcached.node.clean.decide import Policy, State
-from kvcached.node.clean.leftovers import EngineReason, plan_engines
+from kvcached.node.clean.leftovers.act import plan_engines
+from kvcached.node.clean.leftovers.decide import EngineReason
 
 from ..waiting import wait_until
 
@@ -63,7 +64,7 @@ PLAN_INSIDE = _ENTER + textwrap.dedent("""
     if os.fork() == 0:
         check(libc.mount(b"proc", own_proc.encode(), b"proc", 0, None), "mount proc")
         from kvcached.node.clean.decide import Policy
-        from kvcached.node.clean.leftovers import plan_engines
+        from kvcached.node.clean.leftovers.act import plan_engines
         from kvcached.node.base.layout import Layout
         out = {}
         for key, proc_root, whole in ((own_proc, own_proc, False), ("/proc", "/proc", False),

@@ -23,11 +23,11 @@ import pytest
 
 from kvcached.node.base.enums import KillOutcome
 from kvcached.node.clean.facts import gather_facts
-from kvcached.node.gpu import HolderState, find_holders, terminate_holders
 from kvcached.node.gpu.devices import Device, device_table
 from kvcached.node.gpu.gcstep import gpu_step
-from kvcached.node.gpu.holders import mapped_uses
-from kvcached.node.gpu.kill import gpu_fds_left
+from kvcached.node.gpu.holders import find_holders, mapped_uses
+from kvcached.node.gpu.judge import HolderState
+from kvcached.node.gpu.kill import gpu_fds_left, terminate_holders
 from tests.fs.gpu_fixtures import node
 from tests.waiting import wait_for, wait_for_state
 

@@ -14,7 +14,7 @@ from kvcached.node.base.enums import Engine
 from kvcached.node.base.layout import Layout
 from kvcached.node.clean.cleanup import Action, execute, plan
 from kvcached.node.clean.decide import Policy, State
-from kvcached.node.clean.leftovers import plan_engines
+from kvcached.node.clean.leftovers.act import plan_engines
 from kvcached.node.clean.report import KVCACHED, Source
 
 from .engine_plant import needs_whole_view

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached.node.clean.decide import Decision, Policy, Reason, State, decide, settle
+from kvcached.node.clean.decide import REASONS, Decision, Policy, Reason, State, decide, settle
 from kvcached.node.clean.facts import Facts, ProcessInfo
+from kvcached.node.clean.rules import SharedReason as Shared
 from kvcached.node.clean.scan import Candidate, FileType, Kind
 from kvcached.node.state.lease import LockEntry
 from kvcached.node.state.sockdiag import Bind
@@ -48,12 +49,12 @@ def d(state: State, reason: Reason) -> Decision:
     return Decision(state, reason, "")
 
 
-STALE_SOCK = d(State.STALE, Reason.NOT_LISTENING)
-LIVE_SOCK = d(State.LIVE, Reason.LISTENING)
+STALE_SOCK = d(State.STALE, Shared.NOT_LISTENING)
+LIVE_SOCK = d(State.LIVE, Shared.LISTENING)
 
 CASES = [
     # (id, candidate, facts, policy, children, expected state, expected reason)
-    ("socket stale: unlisted, nothing bound", SOCK, facts(), ROOT, (), State.STALE, Reason.NOT_LISTENING),
+    ("socket stale: unlisted, nothing bound", SOCK, facts(), ROOT, (), State.STALE, Shared.NOT_LISTENING),
     (
         "socket live: listed by identity",
         SOCK,
@@ -61,7 +62,7 @@ CASES = [
         ROOT,
         (),
         State.LIVE,
-        Reason.LISTENING,
+        Shared.LISTENING,
     ),
     (
         "socket: a listener at the same path string but another file is no evidence",
@@ -70,7 +71,7 @@ CASES = [
         ROOT,
         (),
         State.STALE,
-        Reason.NOT_LISTENING,
+        Shared.NOT_LISTENING,
     ),
     (
         "socket live: bound (no listing names it: another namespace)",
@@ -79,7 +80,7 @@ CASES = [
         ROOT,
         (),
         State.LIVE,
-        Reason.BOUND,
+        Shared.BOUND,
     ),
     (
         "socket unknown: bind test denied",
@@ -88,7 +89,7 @@ CASES = [
         ROOT,
         (),
         State.UNKNOWN,
-        Reason.BIND_DENIED,
+        Shared.BIND_DENIED,
     ),
     (
         "socket unknown: bind test failed",
@@ -97,9 +98,9 @@ CASES = [
         ROOT,
         (),
         State.UNKNOWN,
-        Reason.BIND_ERROR,
+        Shared.BIND_ERROR,
     ),
-    ("socket unknown: not tested", SOCK._replace(bind=None), facts(), ROOT, (), State.UNKNOWN, Reason.NOT_TESTED),
+    ("socket unknown: not tested", SOCK._replace(bind=None), facts(), ROOT, (), State.UNKNOWN, Shared.NOT_TESTED),
     (
         "socket stale: an unreadable network namespace does not matter (the bind test sees them all)",
         SOCK,
@@ -107,10 +108,10 @@ CASES = [
         ROOT,
         (),
         State.STALE,
-        Reason.NOT_LISTENING,
+        Shared.NOT_LISTENING,
     ),
-    ("socket young", SOCK._replace(mtime=NOW - 5), facts(), ROOT, (), State.YOUNG, Reason.YOUNG),
-    ("socket foreign: fifo", SOCK._replace(ftype=FileType.FIFO), facts(), ROOT, (), State.FOREIGN, Reason.WRONG_TYPE),
+    ("socket young", SOCK._replace(mtime=NOW - 5), facts(), ROOT, (), State.YOUNG, Shared.YOUNG),
+    ("socket foreign: fifo", SOCK._replace(ftype=FileType.FIFO), facts(), ROOT, (), State.FOREIGN, Shared.WRONG_TYPE),
     (
         "socket foreign: regular file",
         SOCK._replace(ftype=FileType.REGULAR),
@@ -118,7 +119,7 @@ CASES = [
         ROOT,
         (),
         State.FOREIGN,
-        Reason.WRONG_TYPE,
+        Shared.WRONG_TYPE,
     ),
     (
         "socket foreign: directory",
@@ -127,7 +128,7 @@ CASES = [
         ROOT,
         (),
         State.FOREIGN,
-        Reason.WRONG_TYPE,
+        Shared.WRONG_TYPE,
     ),
     (
         "socket foreign: symlink",
@@ -136,7 +137,7 @@ CASES = [
         ROOT,
         (),
         State.FOREIGN,
-        Reason.SYMLINK,
+        Shared.SYMLINK,
     ),
     (
         "socket foreign: other user, not root",
@@ -145,7 +146,7 @@ CASES = [
         USER,
         (),
         State.FOREIGN,
-        Reason.OTHER_USER,
+        Shared.OTHER_USER,
     ),
     (
         "socket foreign: owner differs from dir",
@@ -163,7 +164,7 @@ CASES = [
         ROOT,
         (),
         State.STALE,
-        Reason.NOT_LISTENING,
+        Shared.NOT_LISTENING,
     ),
     (
         "socket stale: nor does an unreadable process",
@@ -172,7 +173,7 @@ CASES = [
         ROOT,
         (),
         State.STALE,
-        Reason.NOT_LISTENING,
+        Shared.NOT_LISTENING,
     ),
     (
         "dir live: deployment process alive (env name)",
@@ -208,11 +209,11 @@ CASES = [
         ROOT,
         (),
         State.LIVE,
-        Reason.HELD_OPEN,
+        Shared.HELD_OPEN,
     ),
-    ("segment live: mapped", SEG, facts(proc(8), mapped_files={(2, 20): [8]}), ROOT, (), State.LIVE, Reason.HELD_OPEN),
+    ("segment live: mapped", SEG, facts(proc(8), mapped_files={(2, 20): [8]}), ROOT, (), State.LIVE, Shared.HELD_OPEN),
     ("segment stale: nobody", SEG, facts(), ROOT, (), State.STALE, Reason.NO_OWNER),
-    ("segment young", SEG._replace(mtime=NOW - 1), facts(), ROOT, (), State.YOUNG, Reason.YOUNG),
+    ("segment young", SEG._replace(mtime=NOW - 1), facts(), ROOT, (), State.YOUNG, Shared.YOUNG),
     (
         "segment young: half-made 0 bytes",
         SEG._replace(mtime=NOW - 1, size=0),
@@ -220,7 +221,7 @@ CASES = [
         ROOT,
         (),
         State.YOUNG,
-        Reason.YOUNG,
+        Shared.YOUNG,
     ),
     (
         "segment unknown: lease untestable",
@@ -238,7 +239,7 @@ CASES = [
         ROOT,
         (),
         State.UNKNOWN,
-        Reason.PROC_INCOMPLETE,
+        Shared.PROC_INCOMPLETE,
     ),
     (
         "segment unknown: an unreadable engine-like process that started after the last change",
@@ -247,7 +248,7 @@ CASES = [
         ROOT,
         (),
         State.UNKNOWN,
-        Reason.PROC_INCOMPLETE,
+        Shared.PROC_INCOMPLETE,
     ),
     (
         "segment unknown: found only by its shape",
@@ -267,7 +268,7 @@ CASES = [
         State.STALE,
         Reason.NO_OWNER,
     ),
-    ("segment foreign: hard link", SEG._replace(nlink=2), facts(), ROOT, (), State.FOREIGN, Reason.HARD_LINKED),
+    ("segment foreign: hard link", SEG._replace(nlink=2), facts(), ROOT, (), State.FOREIGN, Shared.HARD_LINKED),
     (
         "segment foreign: symlink",
         SEG._replace(ftype=FileType.SYMLINK),
@@ -275,10 +276,10 @@ CASES = [
         ROOT,
         (),
         State.FOREIGN,
-        Reason.SYMLINK,
+        Shared.SYMLINK,
     ),
     ("segment foreign: wrong size", SEG._replace(size=4096), facts(), ROOT, (), State.FOREIGN, Reason.BAD_SIZE),
-    ("segment foreign: other user", SEG._replace(uid=2000), facts(), USER, (), State.FOREIGN, Reason.OTHER_USER),
+    ("segment foreign: other user", SEG._replace(uid=2000), facts(), USER, (), State.FOREIGN, Shared.OTHER_USER),
     (
         "pgid segment live: group predates last change",
         PGSEG,
@@ -313,17 +314,17 @@ CASES = [
         DIR,
         facts(),
         ROOT,
-        (d(State.UNKNOWN, Reason.BIND_DENIED),),
+        (d(State.UNKNOWN, Shared.BIND_DENIED),),
         State.UNKNOWN,
         Reason.CHILD_UNKNOWN,
     ),
-    ("dir young: a young child", DIR, facts(), ROOT, (d(State.YOUNG, Reason.YOUNG),), State.YOUNG, Reason.CHILD_YOUNG),
+    ("dir young: a young child", DIR, facts(), ROOT, (d(State.YOUNG, Shared.YOUNG),), State.YOUNG, Reason.CHILD_YOUNG),
     (
         "dir foreign: a foreign child",
         DIR,
         facts(),
         ROOT,
-        (d(State.FOREIGN, Reason.WRONG_TYPE),),
+        (d(State.FOREIGN, Shared.WRONG_TYPE),),
         State.FOREIGN,
         Reason.CONTAINS_FOREIGN,
     ),
@@ -345,13 +346,13 @@ CASES = [
         ROOT,
         (),
         State.YOUNG,
-        Reason.YOUNG,
+        Shared.YOUNG,
     ),
     ("dir foreign: bad hash", DIR._replace(hash_ok=False), facts(), ROOT, (), State.FOREIGN, Reason.BAD_HASH),
-    ("dir foreign: mount point", DIR._replace(cross_mount=True), facts(), ROOT, (), State.FOREIGN, Reason.MOUNT_POINT),
+    ("dir foreign: mount point", DIR._replace(cross_mount=True), facts(), ROOT, (), State.FOREIGN, Shared.MOUNT_POINT),
     ("dir foreign: world-writable", DIR._replace(mode=0o777), facts(), ROOT, (), State.FOREIGN, Reason.WORLD_WRITABLE),
-    ("dir foreign: a symlink", DIR._replace(ftype=FileType.SYMLINK), facts(), ROOT, (), State.FOREIGN, Reason.SYMLINK),
-    ("dir foreign: a file", DIR._replace(ftype=FileType.REGULAR), facts(), ROOT, (), State.FOREIGN, Reason.WRONG_TYPE),
+    ("dir foreign: a symlink", DIR._replace(ftype=FileType.SYMLINK), facts(), ROOT, (), State.FOREIGN, Shared.SYMLINK),
+    ("dir foreign: a file", DIR._replace(ftype=FileType.REGULAR), facts(), ROOT, (), State.FOREIGN, Shared.WRONG_TYPE),
 ]
 
 
@@ -364,7 +365,7 @@ def test_decide_table(
 
 
 # settle: a deployment's strongest evidence keeps its segment and directories.
-LIVE_BOUND = Decision(State.LIVE, Reason.BOUND, "bound")
+LIVE_BOUND = Decision(State.LIVE, Shared.BOUND, "bound")
 SETTLE = [
     # (id, socket decision, segment decision before, expected segment state, reason; directory likewise)
     (
@@ -376,14 +377,14 @@ SETTLE = [
     ),
     (
         "an unknown socket keeps the segment unknown",
-        d(State.UNKNOWN, Reason.BIND_DENIED),
+        d(State.UNKNOWN, Shared.BIND_DENIED),
         Decision(State.STALE, Reason.NO_OWNER, ""),
         State.UNKNOWN,
         Reason.DEPLOYMENT_UNKNOWN,
     ),
     (
         "a young socket keeps the segment young",
-        d(State.YOUNG, Reason.YOUNG),
+        d(State.YOUNG, Shared.YOUNG),
         Decision(State.STALE, Reason.NO_OWNER, ""),
         State.YOUNG,
         Reason.DEPLOYMENT_YOUNG,
@@ -391,7 +392,7 @@ SETTLE = [
     ("all stale stays stale", STALE_SOCK, Decision(State.STALE, Reason.NO_OWNER, ""), State.STALE, Reason.NO_OWNER),
     (
         "a foreign socket is no evidence",
-        d(State.FOREIGN, Reason.WRONG_TYPE),
+        d(State.FOREIGN, Shared.WRONG_TYPE),
         Decision(State.STALE, Reason.NO_OWNER, ""),
         State.STALE,
         Reason.NO_OWNER,
@@ -436,7 +437,7 @@ def test_every_state_and_reason_is_covered() -> None:
     states = {x[5] for x in CASES}
     reasons = {x[6] for x in CASES} | {x[4] for x in SETTLE}
     assert states == set(State)
-    assert reasons == set(Reason), set(Reason) - reasons
+    assert reasons == set(REASONS), set(REASONS) - reasons
 
 
 def test_live_decision_names_the_serving_pids() -> None:

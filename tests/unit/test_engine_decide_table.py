@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from kvcached.node.clean.decide import Policy, State
-from kvcached.node.clean.leftovers.decide import EngineReason, decide_engine, settle_groups
+from kvcached.node.clean.leftovers.decide import REASONS, EngineReason, decide_engine, settle_groups
 from kvcached.node.clean.leftovers.evidence import Blind, EngineEvidence, Proc
 from kvcached.node.clean.leftovers.families import Engine, EngineKind, Where, match_name
 from kvcached.node.clean.leftovers.scan import EngineCandidate
 from kvcached.node.clean.report import Decision
+from kvcached.node.clean.rules import SharedReason as Shared
 from kvcached.node.clean.scan import FileType
 from kvcached.node.state.sockdiag import Bind
 
@@ -55,33 +56,33 @@ CASES = [
     ("cuda stale", CUDA, EV, USER, State.STALE, EngineReason.UNUSED),
     ("load snapshot stale", LOADS, EV, USER, State.STALE, EngineReason.UNUSED),
     ("buffer live: mapped only", PSM, ev(mapped={PSM.ident: (7,)}), ROOT, State.LIVE, EngineReason.MAPPED),
-    ("buffer live: held only", PSM, ev(held={PSM.ident: (7,)}), ROOT, State.LIVE, EngineReason.HELD_OPEN),
+    ("buffer live: held only", PSM, ev(held={PSM.ident: (7,)}), ROOT, State.LIVE, Shared.HELD_OPEN),
     ("buffer live: another file mapped is no evidence", PSM, ev(mapped={(1, 101): (7,)}), ROOT, State.STALE,
      EngineReason.UNUSED),
-    ("buffer young", PSM._replace(mtime=NOW - 5), EV, ROOT, State.YOUNG, EngineReason.YOUNG),
+    ("buffer young", PSM._replace(mtime=NOW - 5), EV, ROOT, State.YOUNG, Shared.YOUNG),
     ("buffer live beats young", PSM._replace(mtime=NOW), ev(mapped={PSM.ident: (7,)}), ROOT, State.LIVE,
      EngineReason.MAPPED),
     ("buffer unknown: another PID namespace", PSM, ev(view_gap="a container"), ROOT, State.UNKNOWN,
      EngineReason.VIEW_INCOMPLETE),
     ("buffer unknown: its owner's engine unread", PSM, ev(blind=(Blind(9, 1000),)), ROOT, State.UNKNOWN,
-     EngineReason.PROC_INCOMPLETE),
+     Shared.PROC_INCOMPLETE),
     ("buffer stale: another user's unread process cannot open a 0600 file", PSM, ev(blind=(Blind(9, 1001),)),
      ROOT, State.STALE, EngineReason.UNUSED),
     ("buffer unknown: a 0644 file, anyone's unread process", PSM._replace(mode=0o644),
-     ev(blind=(Blind(9, 1001),)), ROOT, State.UNKNOWN, EngineReason.PROC_INCOMPLETE),
+     ev(blind=(Blind(9, 1001),)), ROOT, State.UNKNOWN, Shared.PROC_INCOMPLETE),
     ("buffer unknown: hidepid and a file others may open", PSM._replace(mode=0o644), ev(hidden_users=True), USER,
      State.UNKNOWN, EngineReason.HIDDEN_PROCESSES),
     ("buffer stale: hidepid but a private file", PSM, ev(hidden_users=True), USER, State.STALE,
      EngineReason.UNUSED),
     # foreign
     ("symlink", PSM._replace(ftype=FileType.SYMLINK), ev(mapped={PSM.ident: (7,)}), ROOT, State.FOREIGN,
-     EngineReason.SYMLINK),
-    ("a FIFO in /dev/shm", PSM._replace(ftype=FileType.FIFO), EV, ROOT, State.FOREIGN, EngineReason.WRONG_TYPE),
+     Shared.SYMLINK),
+    ("a FIFO in /dev/shm", PSM._replace(ftype=FileType.FIFO), EV, ROOT, State.FOREIGN, Shared.WRONG_TYPE),
     ("a directory in /dev/shm", NCCL._replace(ftype=FileType.DIRECTORY), EV, ROOT, State.FOREIGN,
-     EngineReason.WRONG_TYPE),
-    ("hard-linked", PSM._replace(nlink=2), EV, ROOT, State.FOREIGN, EngineReason.HARD_LINKED),
-    ("a mount point", PSM._replace(cross_mount=True), EV, ROOT, State.FOREIGN, EngineReason.MOUNT_POINT),
-    ("another user's, not root", PSM._replace(uid=1001), EV, USER, State.FOREIGN, EngineReason.OTHER_USER),
+     Shared.WRONG_TYPE),
+    ("hard-linked", PSM._replace(nlink=2), EV, ROOT, State.FOREIGN, Shared.HARD_LINKED),
+    ("a mount point", PSM._replace(cross_mount=True), EV, ROOT, State.FOREIGN, Shared.MOUNT_POINT),
+    ("another user's, not root", PSM._replace(uid=1001), EV, USER, State.FOREIGN, Shared.OTHER_USER),
     ("another user's, as root", PSM._replace(uid=1001), EV, ROOT, State.STALE, EngineReason.UNUSED),
     # SGLang: the creator PID, with its start time
     ("sglang live: creator alive, started before", SGL, ev(by_any_pid={4242: (Proc(4242, OLD - 10),)}), USER,
@@ -100,50 +101,50 @@ CASES = [
     ("sglang live: mapped although the creator is gone", SGL, ev(mapped={SGL.ident: (9,)}), USER, State.LIVE,
      EngineReason.MAPPED),
     ("sglang unknown: creator gone, but a blind spot", SGL, ev(blind=(Blind(9, 1000),)), USER, State.UNKNOWN,
-     EngineReason.PROC_INCOMPLETE),
+     Shared.PROC_INCOMPLETE),
     ("sglang unknown: creator gone, another PID namespace", SGL, ev(view_gap="a container"), USER,
      State.UNKNOWN, EngineReason.VIEW_INCOMPLETE),
     ("sglang live: creator alive, even from inside a container view", SGL,
      ev(view_gap="a container", by_any_pid={4242: (Proc(4242, OLD - 10),)}), USER, State.LIVE,
      EngineReason.CREATOR_ALIVE),
     ("sglang young: creator gone a moment ago", SGL._replace(mtime=NOW - 1, ctime=NOW - 1), EV, USER, State.YOUNG,
-     EngineReason.YOUNG),
+     Shared.YOUNG),
     ("tokenizer args stale: creator gone", ARGS, EV, USER, State.STALE, EngineReason.CREATOR_GONE),
     ("tokenizer args live: creator alive", ARGS, ev(by_any_pid={4242: (Proc(4242, OLD - 10),)}), USER,
      State.LIVE, EngineReason.CREATOR_ALIVE),
     # vLLM's ZMQ IPC sockets: a bound socket, by identity; never a connect
     ("ipc live: listed by identity", IPC, ev(listeners={IPC.ident: (5,)}), USER, State.LIVE,
-     EngineReason.LISTENING),
+     Shared.LISTENING),
     ("ipc live: bound, not yet listening", IPC._replace(bind=Bind.BOUND), EV, USER, State.LIVE,
-     EngineReason.BOUND),
-    ("ipc stale: nothing bound", IPC, EV, USER, State.STALE, EngineReason.NOT_LISTENING),
+     Shared.BOUND),
+    ("ipc stale: nothing bound", IPC, EV, USER, State.STALE, Shared.NOT_LISTENING),
     ("ipc stale although another PID namespace: the bind test sees them all", IPC, ev(view_gap="a container"),
-     USER, State.STALE, EngineReason.NOT_LISTENING),
-    ("ipc young", IPC._replace(mtime=NOW - 1), EV, USER, State.YOUNG, EngineReason.YOUNG),
+     USER, State.STALE, Shared.NOT_LISTENING),
+    ("ipc young", IPC._replace(mtime=NOW - 1), EV, USER, State.YOUNG, Shared.YOUNG),
     ("ipc unknown: bind test denied", IPC._replace(bind=Bind.DENIED, bind_errno="EACCES"), EV, ROOT,
-     State.UNKNOWN, EngineReason.BIND_DENIED),
+     State.UNKNOWN, Shared.BIND_DENIED),
     ("ipc unknown: bind test failed", IPC._replace(bind=Bind.ERROR, bind_errno="EIO"), EV, ROOT, State.UNKNOWN,
-     EngineReason.BIND_ERROR),
-    ("ipc unknown: not tested", IPC._replace(bind=None), EV, ROOT, State.UNKNOWN, EngineReason.NOT_TESTED),
-    ("ipc: a symlink", IPC._replace(ftype=FileType.SYMLINK), EV, ROOT, State.FOREIGN, EngineReason.SYMLINK),
-    ("ipc: another user's, not root", IPC._replace(uid=1001), EV, USER, State.FOREIGN, EngineReason.OTHER_USER),
+     Shared.BIND_ERROR),
+    ("ipc unknown: not tested", IPC._replace(bind=None), EV, ROOT, State.UNKNOWN, Shared.NOT_TESTED),
+    ("ipc: a symlink", IPC._replace(ftype=FileType.SYMLINK), EV, ROOT, State.FOREIGN, Shared.SYMLINK),
+    ("ipc: another user's, not root", IPC._replace(uid=1001), EV, USER, State.FOREIGN, Shared.OTHER_USER),
     # SGLang's ZMQ IPC sockets (tempfile's names): the same evidence as vLLM's, their own identity
     ("sglang ipc live: listed by identity", SGL_IPC, ev(listeners={SGL_IPC.ident: (5,)}), USER, State.LIVE,
-     EngineReason.LISTENING),
+     Shared.LISTENING),
     ("sglang ipc stale: only another socket is listed", SGL_IPC, ev(listeners={IPC.ident: (5,)}), USER,
-     State.STALE, EngineReason.NOT_LISTENING),
+     State.STALE, Shared.NOT_LISTENING),
     ("sglang ipc live: bound, not yet listening", SGL_IPC._replace(bind=Bind.BOUND), EV, USER, State.LIVE,
-     EngineReason.BOUND),
-    ("sglang ipc stale: nothing bound", SGL_IPC, EV, USER, State.STALE, EngineReason.NOT_LISTENING),
-    ("sglang ipc young", SGL_IPC._replace(mtime=NOW - 1), EV, USER, State.YOUNG, EngineReason.YOUNG),
+     Shared.BOUND),
+    ("sglang ipc stale: nothing bound", SGL_IPC, EV, USER, State.STALE, Shared.NOT_LISTENING),
+    ("sglang ipc young", SGL_IPC._replace(mtime=NOW - 1), EV, USER, State.YOUNG, Shared.YOUNG),
     ("sglang ipc unknown: not tested", SGL_IPC._replace(bind=None), EV, ROOT, State.UNKNOWN,
-     EngineReason.NOT_TESTED),
+     Shared.NOT_TESTED),
     ("sglang ipc: the empty file zmq never bound is a name only", SGL_IPC._replace(ftype=FileType.REGULAR,
-     bind=None), EV, ROOT, State.FOREIGN, EngineReason.WRONG_TYPE),
+     bind=None), EV, ROOT, State.FOREIGN, Shared.WRONG_TYPE),
     ("sglang ipc: a symlink", SGL_IPC._replace(ftype=FileType.SYMLINK, bind=None), EV, ROOT, State.FOREIGN,
-     EngineReason.SYMLINK),
+     Shared.SYMLINK),
     ("sglang ipc: another user's, not root", SGL_IPC._replace(uid=1001), EV, USER, State.FOREIGN,
-     EngineReason.OTHER_USER),
+     Shared.OTHER_USER),
 ]
 
 
@@ -156,7 +157,7 @@ def test_decide_engine(case: str, c: EngineCandidate, evidence: EngineEvidence, 
 
 def test_every_reason_is_reachable() -> None:
     seen = {r for *_, r in CASES} | {EngineReason.GROUP_LIVE, EngineReason.GROUP_UNKNOWN, EngineReason.GROUP_YOUNG}
-    assert seen == set(EngineReason)
+    assert seen == set(REASONS)
 
 
 def test_evidence_names_the_processes() -> None:

@@ -9,7 +9,8 @@ import jsonschema
 
 from kvcached.node.clean.cleanup import Action
 from kvcached.node.clean.decide import State
-from kvcached.node.clean.leftovers import Engine, EngineKind, EngineReason
+from kvcached.node.clean.leftovers.decide import REASONS
+from kvcached.node.clean.leftovers.families import Engine, EngineKind
 from kvcached.node.clean.scan import FileType
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "kvctl/schemas/engine_entry.json").read_text())
@@ -21,7 +22,7 @@ def test_it_is_a_valid_draft_2020_12_schema() -> None:
 
 def test_its_enums_are_the_codes() -> None:
     props = SCHEMA["properties"]
-    for key, enum in (("kind", EngineKind), ("engine", Engine), ("reason", EngineReason), ("state", State),
+    for key, enum in (("kind", EngineKind), ("engine", Engine), ("reason", REASONS), ("state", State),
                       ("action", Action), ("type", FileType)):
         assert props[key]["enum"] == [str(m) for m in enum], key
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcached.node.clean.decide import Reason, State, decide
+from kvcached.node.clean.decide import State, decide
+from kvcached.node.clean.rules import SharedReason
 from kvcached.node.clean.sight import INITIAL_PID_NS, Cause, Credentials, ProcMount, assess, proc_mount
 
 from .test_decide_table import NOW, ROOT, SEG, facts, proc
@@ -79,7 +80,7 @@ def test_proc_mount_reads_mountinfo(tmp_path: Path) -> None:
 def test_hidepid_keeps_another_users_entry_unknown() -> None:
     hidden = facts(hidden_users=True)
     d = decide(SEG, hidden, ROOT, NOW)
-    assert (d.state, d.reason) == (State.UNKNOWN, Reason.PROC_INCOMPLETE)
+    assert (d.state, d.reason) == (State.UNKNOWN, SharedReason.PROC_INCOMPLETE)
     # Our own user's processes are listed under hidepid: our own entry is judged as ever.
     assert decide(SEG._replace(uid=0), hidden, ROOT, NOW).state is State.STALE
     assert decide(SEG, facts(), ROOT, NOW).state is State.STALE

@@ -4,7 +4,7 @@ kvctl compares states, actions, kinds and outcomes as members (`e.action is
 Action.KEPT`), never through their strings; importing them from here costs it
 no scan, /proc pass or decision code. Their old homes (`decide.State`,
 `cleanup.Action`, `scan.Kind`, `gcrun.Outcome`, `orphans.Outcome`,
-`engines.families.EngineKind` and `Engine`) import them from here, so both
+`leftovers.families.EngineKind` and `Engine`) import them from here, so both
 spellings name the same members.
 """
 
@@ -70,7 +70,7 @@ class Engine(StrEnum):
     CUDA = "cuda"
 
 
-# Each engine leftover's kind to its engine (every family of a kind is one engine's: engines/families.py).
+# Each engine leftover's kind to its engine (every family of a kind is one engine's: clean/leftovers/families.py).
 ENGINE_OF: dict[Kind | EngineKind, Engine] = {
     EngineKind.VLLM_SHM: Engine.VLLM, EngineKind.VLLM_IPC: Engine.VLLM, EngineKind.SGLANG_SHM: Engine.SGLANG,
     EngineKind.SGLANG_IPC: Engine.SGLANG, EngineKind.NCCL_SHM: Engine.NCCL, EngineKind.CUDA_SHM: Engine.CUDA,

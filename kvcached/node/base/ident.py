@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import sys
 import threading
 from collections.abc import Callable
@@ -163,3 +164,23 @@ def unlink_if_same(dir_fd: int, name: str, ident: tuple[int, int], handle: bytes
             return Unlinked.NOT_EMPTY
         raise
     return Unlinked.DONE
+
+
+def open_if_same(name: str, dir_fd: int, ident: tuple[int, int], *, regular: bool = False) -> int | None:
+    """`name` in `dir_fd` opened read-only (never following a link, never blocking), only while it is still
+    the file `ident` (and, with `regular`, a regular file); None otherwise. The caller closes the fd.
+
+    Through the directory fd a scan listed: the file it just saw, not whatever a path resolves to now.
+    """
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        st = None
+    if st is None or (st.st_dev, st.st_ino) != ident or (regular and not stat.S_ISREG(st.st_mode)):
+        os.close(fd)
+        return None
+    return fd

@@ -1,16 +1,17 @@
 """Every path of a kvcached node, from one root, in both directions (docs/NODE.md §1-3)."""
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: a NamedTuple's string annotations are each compiled at
+# class creation (typing.ForwardRef), a cost every kvctl start pays (bench/bench_cli_start.py).
 import os
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import PurePosixPath
+from typing import NamedTuple
 
 from . import name_rules
 from .errors import InvalidName, PathTooLong
 
 SUN_PATH_MAX = 108  # sizeof(sockaddr_un.sun_path), NUL included
+SEGMENT_SIZE = 24  # a limit segment: three signed 64-bit integers (docs/NODE.md §2; state/segment.py reads them)
 
 
 class PathKind(str, Enum):
@@ -23,8 +24,7 @@ class PathKind(str, Enum):
         return self.value
 
 
-@dataclass(frozen=True, kw_only=True)
-class PathRef:
+class PathRef(NamedTuple):
     """What a path means: which deployment, which kind, rank and stage."""
 
     kind: PathKind
@@ -34,14 +34,17 @@ class PathRef:
     stage: int | None = None
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(NamedTuple):
     """Where a node keeps kvcached state; `root` re-bases /tmp and /dev/shm (tests, --root, --pid).
 
     `seen_root` is the root as the node's processes see it: the paths that
     /proc/<pid>/net/unix lists are relative to it. With `--root DIR` processes
     bind under DIR too, so the two are the same; with `--pid PID` we look in
     through /proc/PID/root while the processes there see "/".
+
+    Immutable; a NamedTuple (as PathRef) rather than a frozen dataclass:
+    every kvctl command builds one, and a dataclass costs a cold start its
+    generated methods (bench/bench_cli_start.py).
     """
 
     root: str = "/"
@@ -52,7 +55,7 @@ class Layout:
     tmp: str | None = None
 
     @classmethod
-    def for_pid(cls, pid: int, proc_root: str = "/proc") -> Layout:
+    def for_pid(cls, pid: int, proc_root: str = "/proc") -> "Layout":
         """The node as process `pid` sees it (its mount namespace), reached from here."""
         return cls(root=f"{proc_root}/{pid}/root", seen_root="/")
 

@@ -1,8 +1,11 @@
-"""The one guarded act (`Actor`, `execute`) for every source's plan, and kvcached's own plan (`plan`, `Plan`).
+"""The one guarded act (`Actor`, `execute`) for every source's plan, the plans' shape (`SourcePlan`), and
+kvcached's own plan (`plan`, `Plan`).
 
 The pipeline and its types are report.py's. Dry run is this same path with
 one guard at the removing syscall, so the plan a dry run prints is what a
-real run in a quiet state removes.
+real run in a quiet state removes. Every caller that removes anything goes
+through `Actor`: gc and delete, the start-up sweep and claim, and the engine
+owner's cleanup of what it captured (in_engine/captured.py).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 from ..base.enums import Action
 from ..base.ident import Unlinked, fd_handle, handle_reader, same_file, unlink_if_same
@@ -23,29 +26,57 @@ from ..base.layout import Layout
 from ..state.lease import ofd_lock
 from .decide import Decision, Policy, State, decide_tree, settle
 from .facts import Facts, gather_facts
-from .report import Entry, Part, Report, Source, SourcePlan, merged_errors
+from .report import Entry, Judged, Part, Report, Source, merged_errors
 from .scan import Candidate, Kind, scan
 
 
-@dataclass
-class Plan:
-    """Everything a run found and decided, before acting."""
+class Acted(Judged, Protocol):
+    """What the one guarded act reads of any source's candidate: where it is, and the identity it was judged by."""
 
+    @property
+    def ident(self) -> tuple[int, int]: ...
+    @property
+    def handle(self) -> bytes | None: ...
+
+
+@dataclass(kw_only=True)
+class SourcePlan:
+    """One source's plan: everything it found and decided, before acting (kvcached's `Plan`, the engines'
+    leftovers.act.EnginePlan). No side effect made it; `act` hands its entries to the one guarded act."""
+
+    source: ClassVar[Source]
     layout: Layout
     facts: Facts
     policy: Policy
     now: float
-    roots: list[Candidate]
     decisions: dict[str, Decision]
     errors: list[str] = field(default_factory=list)
+    matched: int = 0  # entries that matched the names, before any kind filter
+
+    def entries(self) -> Sequence[tuple[Acted, Decision]]:
+        """Each planned candidate with its decision, in the order the act meets them."""
+        raise NotImplementedError
+
+    def act(self, actor: Actor) -> None:
+        """Hand every planned entry to `actor`, stale ones to its guarded act (the source's own order)."""
+        raise NotImplementedError
+
+
+def preview(*plans: SourcePlan) -> list[Entry[Any]]:
+    """What gc would do with each planned entry (would_remove when stale, else kept), touching nothing: inspect's."""
+    return [Entry(c, d, Action.WOULD_REMOVE if d.state is State.STALE else Action.KEPT)
+            for p in plans for c, d in p.entries()]
+
+
+@dataclass(kw_only=True)
+class Plan(SourcePlan):
+    """kvcached's own plan: every segment and socket directory a run found and decided, before acting."""
+
+    source: ClassVar[Source] = Source.KVCACHED
+    roots: list[Candidate]
     # deployment -> its segment, also when a --kind filter leaves it out of `roots`:
     # a directory must not outlive the segment whose name it is the only record of
     segments: dict[str, Candidate] = field(default_factory=dict)
-    matched: int = 0  # top-level entries that matched the names, before any kind filter
-
-    @property
-    def source(self) -> Source:
-        return Source.KVCACHED
 
     def entries(self) -> list[tuple[Candidate, Decision]]:
         return [(c, self.decisions[c.path]) for root in self.roots for c in root.walk()]
@@ -109,7 +140,8 @@ def _plan(layout: Layout, policy: Policy | None, facts: Facts | None, names: Ite
     kinds = set(kinds)
     if kinds:
         roots = [c for c in roots if c.kind in kinds or (Kind.SOCKET in kinds and c.kind is Kind.DIRECTORY)]
-    return Plan(layout, facts, policy, t, roots, decisions, found.errors + facts.errors, segments, matched)
+    return Plan(layout=layout, facts=facts, policy=policy, now=t, roots=roots, decisions=decisions,
+                errors=found.errors + facts.errors, segments=segments, matched=matched)
 
 
 _new_entry = tuple.__new__
@@ -170,13 +202,13 @@ class Actor:
             self.timed_out = True
         return self.timed_out
 
-    def record(self, c: Any, d: Decision, action: Action, note: str = "") -> None:
+    def record(self, c: Acted, d: Decision, action: Action, note: str = "") -> None:
         e = _new_entry(Entry, (c, d, action, note))  # Entry(...) through its Python-level __new__: once per entry
         self.entries.append(e)
         if self.progress is not None:
             self.progress(e)
 
-    def reopen(self, dir_fd: int, c: Any, d: Decision, flags: int) -> tuple[int, os.stat_result] | bool:
+    def reopen(self, dir_fd: int, c: Acted, d: Decision, flags: int) -> tuple[int, os.stat_result] | bool:
         """Open `c` again through `dir_fd`, never following, as the file the scan saw: (fd, its stat).
 
         Otherwise the entry is recorded and the answer is whether it is gone:
@@ -197,7 +229,7 @@ class Actor:
             return False
         return fd, st
 
-    def remove(self, dir_fd: int, c: Any, d: Decision, rmdir: bool = False) -> bool:
+    def remove(self, dir_fd: int, c: Acted, d: Decision, rmdir: bool = False) -> bool:
         """Unlink `c` through `dir_fd` if it still has the planned identity; True when gone (or, dry, would be)."""
         if self.timed_out or (self.deadline is not None and self.out_of_time()):
             self.record(c, d, Action.KEPT, "time limit reached")
@@ -233,8 +265,10 @@ def _keep_all(actor: Actor, c: Candidate, decisions: dict[str, Decision], note: 
         actor.record(sub, d, Action.KEPT, note if d.state is State.STALE else "")
 
 
-def _act_segment(actor: Actor, dir_fd: int | tuple[Action, str], c: Candidate, d: Decision) -> bool:
-    """Remove one stale segment under its exclusive lease and flock; True when it is (or would be) gone."""
+def act_segment(actor: Actor, dir_fd: int | tuple[Action, str], c: Candidate, d: Decision) -> bool:
+    """Remove one stale segment under its exclusive lease and flock; True when it is (or would be) gone.
+
+    gc's act on a segment, and the engine owner's on the one it captured (in_engine/captured.py)."""
     if not isinstance(dir_fd, int):
         actor.record(c, d, Action.FAILED, dir_fd[1])
         return False
@@ -332,7 +366,7 @@ def _act(p: Plan, actor: Actor) -> None:
             continue
         if shm_fd is None:
             shm_fd = actor.directory(p.layout.shm_dir)
-        if _act_segment(actor, shm_fd, c, d):
+        if act_segment(actor, shm_fd, c, d):
             gone.add(c.path)
     for c in p.roots:
         if c.kind is Kind.SEGMENT:

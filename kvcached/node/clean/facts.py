@@ -99,7 +99,7 @@ class Facts:
     # Indexes built on first use, so that deciding N candidates stays O(processes + N).
     _index: _Index | None = field(default=None, repr=False, compare=False)
     _blind: list[ProcessInfo] | None = field(default=None, repr=False, compare=False)
-    # The engine pass's reads (engines/evidence.py), made on first use; plain gc never asks for them.
+    # The engine pass's reads (leftovers/evidence.py), made on first use; plain gc never asks for them.
     _device_maps: dict[frozenset[int], dict[tuple[int, int], list[int]]] = field(
         default_factory=dict, repr=False, compare=False)
     _ns_pids: dict[int, tuple[int, ...]] | None = field(default=None, repr=False, compare=False)

@@ -13,11 +13,9 @@ from __future__ import annotations
 import os
 import stat
 
+from ... import settings
 from ..base import name_rules
-
-# Kept equal to segment.SEGMENT_SIZE (a test compares them): importing segment.py
-# costs a TAB press its dataclasses.
-SEGMENT_SIZE = 24
+from ..base.layout import SEGMENT_SIZE
 
 
 def _open_dir(path: str) -> int | None:
@@ -108,7 +106,7 @@ _TEMPFILE_PREFIX, _TEMPFILE_LEN = "tmp", 11
 
 def rpc_dirs(root: str = "/", environ: dict[str, str] | None = None) -> tuple[str, ...]:
     """vLLM's RPC directory from VLLM_RPC_BASE_PATH (as vLLM reads it: an absolute path), re-based under `root`."""
-    value = (os.environ if environ is None else environ).get("VLLM_RPC_BASE_PATH", "")
+    value = settings.VLLM_RPC_BASE_PATH.get(environ)
     if not value or not os.path.isabs(value):
         return ()
     return (os.path.normpath(os.path.join(root, value.lstrip("/"))),)

@@ -5,21 +5,23 @@ leftover, goes through the same types and the same code (docs/CLEANER.md §3);
 what differs is where it came from (`Origin`, data on every entry) and which
 evidence applies (each source's scan, facts and reasons).
 
-Sources (`Source`), each a scan and a pure decision behind one plan protocol:
+Sources (`Source`), each a scan and a pure decision behind one plan type:
 
 - kvcached: scan.py (segments, socket directories) → facts.py (one /proc
   pass) → decide.py (`decide_tree`, then `settle`: a deployment's evidence is
   shared) → cleanup.plan, a `Plan`.
-- engines: engines/scan.py (the families' names in /dev/shm and the RPC
-  directories) → engines/evidence.py (the same Facts, plus the maps pass) →
-  engines/decide.py (`decide_engine`, then `settle_groups`: each entry on its
-  own evidence) → engines/act.plan_engines, an `EnginePlan`.
+- engines: leftovers/scan.py (the families' names in /dev/shm and the RPC
+  directories) → leftovers/evidence.py (the same Facts, plus the maps pass)
+  → leftovers/decide.py (`decide_engine`, then `settle_groups`: each entry on
+  its own evidence) → leftovers/act.plan_engines, an `EnginePlan`.
 
-Both plans are `SourcePlan`s: `source`, `facts`, `policy`, `errors`,
-`entries()` (each judged candidate with its `Decision`), and `act(actor)`,
-which walks the plan in its own order (kvcached: segments before the socket
-directories that name them; engines: each entry alone) and hands every entry
-to the one guarded act. A run that wants both passes one Facts to both plans.
+What both decisions share (the foreign checks, the socket decision, the
+grace age, raising a group) is rules.py's. Both plans are
+cleanup.SourcePlan's: `source`, `facts`, `policy`, `errors`, `entries()`
+(each judged candidate with its `Decision`), and `act(actor)`, which walks
+the plan in its own order (kvcached: segments before the socket directories
+that name them; engines: each entry alone) and hands every entry to the one
+guarded act. A run that wants both passes one Facts to both plans.
 
 The one guarded act is cleanup.Actor, driven by cleanup.execute(*plans):
 each directory opened once per run (its identity compared with the scan's
@@ -36,41 +38,44 @@ gc on a node with nothing to judge, which makes an empty one) imports no
 scan, /proc pass or decision:
 
 - `Origin(source, family)`: where an entry came from; kvcached's entries all
-  share `KVCACHED`, an engine entry's names its family. `place` (kvctl -A,
-  kvcached/node/places: a mount namespace, a pod volume, a sandbox shm) is
-  where the entry is, None meaning this node's own /tmp and /dev/shm; a
-  candidate carries it, and each place's plans are acted on into a report of
-  their own (places/run.py).
+  share `KVCACHED`, an engine entry's names its family
+  (leftovers/families.Family). `place` (kvctl -A, base/place.Place: a mount
+  namespace, a pod volume, a sandbox shm) is where the entry is, None
+  meaning this node's own /tmp and /dev/shm; a candidate carries it, and
+  each place's plans are acted on into a report of their own
+  (places/run.py).
 - `Decision(state, reason, detail, pids)`: the one decision type; `reason`
-  is the source's own vocabulary (decide.Reason, engines.decide.EngineReason),
-  which the JSON schemas list per entry type.
+  is rules.SharedReason or the source's own vocabulary (decide.Reason,
+  leftovers.decide.EngineReason), which the JSON schemas list per entry type.
 - `Entry(candidate, decision, action, note)`: the one entry type, whatever
-  the candidate (scan.Candidate, engines.scan.EngineCandidate: both carry
+  the candidate (scan.Candidate, leftovers.scan.EngineCandidate: both carry
   `origin`, `kind`, `path`); `to_dict` writes the fields of its source's
   schema (kvctl/schemas/gc.json's entry, engine_entry.json).
 - `Report`: one run's entries, each source's in one contiguous `Part`
   (errors, timing, time limit), so that `part(source)` is a slice, and
   `summary()` is gc.json's summary: the counts of all, each further source's
-  own summary under its name (`engines`).
+  own summary under its name (`engines`). The engine owner's cleanup reports
+  in it too, with what it must come back for (`pending`).
 
 Callers: gcrun (kvctl gc and delete), sweep (the runtime's start-up sweep),
-startup, owner_buffers (the engine owner's buffers), view (inspect: `preview`),
-metrics and diagnostics read plans and reports; kvctl renders one report,
-section by section (kvctl/render_sources.py).
+startup, captured and captured_buffers (the engine owner's cleanup), view
+(inspect: cleanup.preview), metrics and diagnostics read plans and reports;
+kvctl renders one report, section by section (kvctl/render_sources.py).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: a NamedTuple's string annotations are each compiled at
+# class creation (typing.ForwardRef), a cost every kvctl start pays (bench/bench_cli_start.py).
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar
 
 from ..base.enums import ENGINE_OF, Action, Engine, EngineKind, Kind, State, StrEnum
+from ..base.place import Place
 
-# report.py imports no other module of the pipeline, not even for its types: the scans, the decisions and
-# the act import it. What it reads of theirs is declared here (Family, Judged, SourcePlan).
+if TYPE_CHECKING:  # it imports nothing of the pipeline: report.py stays below the scans, decisions and act
+    from .leftovers.families import Family
 
 
 class Source(StrEnum):
@@ -80,29 +85,12 @@ class Source(StrEnum):
     ENGINES = "engines"    # the engines' leftovers, by family (vLLM, SGLang, NCCL, CUDA)
 
 
-class Family(Protocol):
-    """What an origin reads of an engine family (engines/families.Family)."""
-
-    @property
-    def engine(self) -> Engine: ...
-    @property
-    def what(self) -> str: ...
-
-
-class Place(Protocol):
-    """What an origin reads of a place of the node (places/discover.Place)."""
-
-    @property
-    def label(self) -> str: ...
-    def to_dict(self) -> dict[str, object]: ...
-
-
 class Origin(NamedTuple):
     """Where an entry came from: its source, for an engine's leftover the family whose name it carries, and
     with kvctl -A the place it is in (None: this node's own /tmp and /dev/shm)."""
 
     source: Source
-    family: Family | None = None
+    family: "Family | None" = None
     place: Place | None = None
 
     @property
@@ -117,9 +105,12 @@ SOURCE_OF: dict[Kind | EngineKind, Source] = {**{k: Source.KVCACHED for k in Kin
                                                **{k: Source.ENGINES for k in EngineKind}}
 
 
-@dataclass(frozen=True)
-class Decision:
-    """What a decision found: a state, the reason (the source's own vocabulary), its detail, the PIDs it rests on."""
+class Decision(NamedTuple):
+    """What a decision found: a state, the reason (the source's own vocabulary), its detail, the PIDs it rests on.
+
+    Immutable, and a NamedTuple for the reason Candidate is one: a frozen dataclass is slow to build, and slow
+    to define at a cold start (bench/README.md).
+    """
 
     state: State
     reason: StrEnum
@@ -202,24 +193,6 @@ class Entry(NamedTuple, Generic[C]):
         }
 
 
-class SourcePlan(Protocol):
-    """One source's plan: everything it found and decided, before acting (cleanup.Plan, engines.EnginePlan)."""
-
-    @property
-    def source(self) -> Source: ...
-    errors: list[str]
-
-    def entries(self) -> Sequence[tuple[Any, Decision]]: ...
-    def act(self, actor: Any) -> None:
-        """Hand every planned entry to `actor` (a cleanup.Actor), stale ones to its guarded act."""
-
-
-def preview(*plans: SourcePlan) -> list[Entry[Any]]:
-    """What gc would do with each planned entry (would_remove when stale, else kept), touching nothing: inspect's."""
-    return [Entry(c, d, Action.WOULD_REMOVE if d.state is State.STALE else Action.KEPT)
-            for p in plans for c, d in p.entries()]
-
-
 class Part(NamedTuple):
     """One source's share of a report: its entries are `Report.entries[start:end]`."""
 
@@ -246,6 +219,8 @@ class Report:
     finished: float
     timed_out: bool = False
     parts: tuple[Part, ...] = ()  # none: every entry is kvcached's (a report made by hand, delete's, an empty one)
+    # What the caller must come back for, and why (the engine owner's cleanup: a captured entry still served)
+    pending: tuple[tuple[str, str], ...] = ()
     # (state, action, kind) -> entries, counted on the first question: summaries and metrics ask dozens
     _counts: Counter[_Key] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -259,7 +234,7 @@ class Report:
         """The sources this run judged, in order (a source that found nothing is still one: it looked)."""
         return tuple(p.source for p in self._parts)
 
-    def part(self, source: Source) -> Report | None:
+    def part(self, source: Source) -> "Report | None":
         """The entries of one source as a report of their own (None: the run did not judge that source)."""
         for p in self._parts:
             if p.source is source:
@@ -299,6 +274,27 @@ class Report:
         return sum(n for (s, a, g), n in self._byte_counts.items()
                    if (state is None or s is state) and (action is None or a is action)
                    and (engine is None or g is engine))
+
+    @property
+    def complete(self) -> bool:
+        """Nothing is left to come back for (`pending`)."""
+        return not self.pending
+
+    @property
+    def removed(self) -> tuple[str, ...]:
+        """The paths removed (or found already gone), in the order acted on."""
+        return tuple(e.path for e in self.entries if e.action is Action.REMOVED)
+
+    @property
+    def kept(self) -> tuple[tuple[str, str], ...]:
+        """(path, why) of everything kept: each entry kept (its state, the decision's detail, the act's note),
+        then what is pending without an entry of its own."""
+        out = [(e.path, f"{e.state}: {e.decision.detail}" + (f"; {e.note}" if e.note else ""))
+               for e in self.entries if e.action is Action.KEPT]
+        if self.pending:
+            seen = {e.path for e in self.entries}
+            out += [(path, why) for path, why in self.pending if path not in seen]
+        return tuple(out)
 
     @property
     def failures(self) -> list[Entry[Any]]:

@@ -13,20 +13,24 @@ import os
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..base import name_rules
 from ..base.enums import Kind, StrEnum
 from ..base.ident import handle_reader
 from ..base.layout import Layout
-from ..state.lease import ofd_conflict
+from ..state.lease import segment_lease_held
 from ..state.segment import SEGMENT_SIZE, has_mark, peek_limit
 from ..state.sockdiag import Bind, BindProbe
 from .facts import Facts
 from .report import KVCACHED, Origin, Source
 
+if TYPE_CHECKING:
+    from ..base.place import Place
 
 class FileType(StrEnum):
+    """What the scan found at a name (an entry's `type` in JSON): the first foreign check of every source."""
+
     REGULAR = "regular"
     SOCKET = "socket"
     DIRECTORY = "directory"
@@ -76,7 +80,7 @@ class Candidate(NamedTuple):
     bind: Bind | None = None       # bind test of a socket node no listing shows (None: not tested)
     bind_errno: str | None = None
     by_shape: bool = False         # a segment found only by its shape: nothing names it
-    place: Any = None              # kvctl -A: the place it is in (places/discover.Place); None: the node's own
+    place: Place | None = None     # kvctl -A: the place it is in; None: this node's own /tmp and /dev/shm
 
     @property
     def origin(self) -> Origin:
@@ -128,7 +132,7 @@ def socket_candidate(path: str, name: str, deployment: str, st: os.stat_result, 
 
     A full node has eight of these per deployment, and building a 24-field
     NamedTuple by keyword cost several times building it from a tuple (bench/bench_gc.py's
-    scan share; bench/README.md); tests/fs/test_scan.py checks that both build the same value.
+    scan share; bench/README.md); tests/fs/test_scan_fast.py checks that both build the same value.
     """
     mode = st.st_mode
     ftype = _FILE_TYPES.get(stat.S_IFMT(mode), FileType.OTHER)
@@ -237,14 +241,21 @@ def scan(layout: Layout, names: Iterable[str] = (), facts: Facts | None = None) 
     return result
 
 
-def _scan_tmp(layout: Layout, result: ScanResult, obs: _Observer, wanted: set[str]) -> None:
+def _open_listed(path: str, errors: list[str]) -> int | None:
+    """The directory the scan lists, opened without following; None (and why, unless absent) when it cannot be."""
     try:
-        tmp_fd = _open_dir(layout.tmp_dir)
+        return _open_dir(path)
     except OSError as e:
         if e.errno != errno.ENOENT:
-            result.errors.append(f"{layout.tmp_dir}: {e.strerror}")
-        return
+            errors.append(f"{path}: {e.strerror}")
+        return None
+
+
+def _scan_tmp(layout: Layout, result: ScanResult, obs: _Observer, wanted: set[str]) -> None:
     tmp_dir = layout.tmp_dir  # a property that normalises a path: once, not per entry
+    tmp_fd = _open_listed(tmp_dir, result.errors)
+    if tmp_fd is None:
+        return
     try:
         tmp_st = os.fstat(tmp_fd)
         for entry in sorted(os.listdir(tmp_fd)):
@@ -264,13 +275,10 @@ def _scan_tmp(layout: Layout, result: ScanResult, obs: _Observer, wanted: set[st
 
 
 def _scan_shm(layout: Layout, result: ScanResult, obs: _Observer, wanted: set[str]) -> None:
-    try:
-        shm_fd = _open_dir(layout.shm_dir)
-    except OSError as e:
-        if e.errno != errno.ENOENT:
-            result.errors.append(f"{layout.shm_dir}: {e.strerror}")
-        return
     shm_dir = layout.shm_dir
+    shm_fd = _open_listed(shm_dir, result.errors)
+    if shm_fd is None:
+        return
     try:
         for entry in sorted(os.listdir(shm_fd)):
             named = entry in wanted or name_rules.DEFAULT_NAME_RE.match(entry) is not None
@@ -305,17 +313,4 @@ def _scan_shm(layout: Layout, result: ScanResult, obs: _Observer, wanted: set[st
 def _segment_lease(shm_fd: int, name: str, ident: tuple[int, int], facts: Facts) -> bool | None:
     if ident in facts.locks:
         return True  # an OFD lease, or upstream's flock held right now: someone is using it
-    try:
-        # Through the directory fd the scan listed: the file it just saw, not whatever a path resolves to now.
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=shm_fd)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != ident:
-            return None
-        return ofd_conflict(fd)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+    return segment_lease_held(name, dir_fd=shm_fd, ident=ident)

@@ -31,8 +31,8 @@ imports this module, never the other way round, and gc imports it on its idle
 path too, so its types are NamedTuples (a frozen dataclass costs more to define).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: a NamedTuple's string annotations are each compiled at
+# class creation (typing.ForwardRef), a cost every kvctl start pays (bench/bench_cli_start.py).
 import os
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -212,7 +212,7 @@ def hides_other_users(proc_root: str = "/proc", creds: Credentials | None = None
     return not sees_past_hidepid(mount, creds or read_credentials(proc_root))
 
 
-def _unreadable(view: PassView, creds: Credentials) -> list[int]:
+def _unreadable(view: "PassView", creds: Credentials) -> list[int]:
     """Processes the pass was refused that could matter: another user's, or engine-like."""
     out = []
     for pid, what in sorted(view.unreadable_pids.items()):
@@ -226,7 +226,7 @@ def _unreadable(view: PassView, creds: Credentials) -> list[int]:
     return out
 
 
-def assess(proc_root: str = "/proc", view: PassView | None = None, *, creds: Credentials | None = None,
+def assess(proc_root: str = "/proc", view: "PassView | None" = None, *, creds: Credentials | None = None,
            mount: ProcMount | None = None) -> Sight:
     """Every reason a run over `proc_root` is blind; `view`: that run's /proc pass, when it made one."""
     creds = creds or read_credentials(proc_root)

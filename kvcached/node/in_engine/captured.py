@@ -18,25 +18,55 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..base.ident import Unlinked, fd_handle, file_handle, same_file, unlink_if_same
+from ..base.enums import Action, State, StrEnum
+from ..base.ident import fd_handle, file_handle, same_file
 from ..base.layout import Layout
-from ..clean.decide import Policy, State, decide
+from ..clean.cleanup import Actor, act_segment
+from ..clean.decide import Policy, decide
 from ..clean.facts import listening_facts
-from ..clean.scan import Kind, candidate_from_stat
+from ..clean.report import Decision, Report
+from ..clean.scan import Candidate, Kind, candidate_from_stat
 from ..state.lease import ForkSafe, ofd_conflict
 from ..state.sockdiag import bound
 
-log = logging.getLogger("kvcached.node.owner")
+log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class OwnerResult:
-    """What one cleanup call did."""
+class OwnerReason(StrEnum):
+    """Why the owner acts on what it captured, or leaves it (its report's reasons besides decide's)."""
 
-    removed: tuple[str, ...] = ()
-    kept: tuple[tuple[str, str], ...] = ()  # (path, why)
-    errors: tuple[str, ...] = ()
-    complete: bool = False
+    CAPTURED = "captured_by_owner"    # captured at READY, and every engine has a confirmed exit
+    SUCCESSOR = "successor"           # the name is a same-name successor's now
+
+
+_EMPTY_DIR = Decision(State.STALE, OwnerReason.CAPTURED, "emptied of the worker sockets the owner captured")
+
+
+class _Run:
+    """One cleanup call: the one guarded act (cleanup.Actor) and what the call must come back for."""
+
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.actor = Actor(dry_run=False, deadline=None)
+        self.pending: list[tuple[str, str]] = []
+        self.errors: list[str] = []
+
+    def report(self) -> Report:
+        self.actor.close()
+        failed = [f"{e.path}: {e.note}" for e in self.actor.entries if e.action is Action.FAILED]
+        return Report(dry_run=False, entries=self.actor.entries, errors=self.errors + failed, started=self.started,
+                      finished=time.time(), pending=tuple(self.pending))
+
+
+def _failed(what: str, e: Exception) -> Report:
+    now = time.time()
+    return Report(dry_run=False, entries=[], errors=[f"{what}: {e}"], started=now, finished=now,
+                  pending=((what, "cleanup failed; will retry"),))
+
+
+def _done() -> Report:
+    now = time.time()
+    return Report(dry_run=False, entries=[], errors=[], started=now, finished=now)
 
 
 @dataclass(kw_only=True)
@@ -52,6 +82,7 @@ class SegmentCleanup(ForkSafe):
     """Pin the segment's inode at capture; later unlink it only if the path still names that inode."""
 
     def __init__(self, layout: Layout, name: str) -> None:
+        self.name = name
         self.path = layout.segment_path(name)
         self._fd: int | None = None
         self._lock = threading.Lock()
@@ -75,48 +106,59 @@ class SegmentCleanup(ForkSafe):
             self._fd = fd
             return True
 
-    def cleanup(self) -> OwnerResult:
-        """Unlink the captured segment if unchanged and unleased; never raises."""
+    def cleanup(self) -> Report:
+        """Unlink the captured segment if unchanged and unleased (gc's own act on a segment); never raises."""
         with self._lock:
             if self.done or self._fd is None:
-                return OwnerResult(complete=True)
+                return _done()
             try:
                 return self._cleanup_locked()
             except Exception as e:  # never raise into the engine's shutdown
                 log.warning("segment cleanup of %s failed: %s", self.path, e)
-                return OwnerResult(errors=(f"{self.path}: {e}",))
+                return _failed(self.path, e)
 
-    def _cleanup_locked(self) -> OwnerResult:
+    def _cleanup_locked(self) -> Report:
         assert self._fd is not None
         pinned = os.fstat(self._fd)
+        run = _Run()
+        c = candidate_from_stat(Kind.SEGMENT, self.path, os.path.basename(self.path), pinned,
+                                handle=fd_handle(self._fd), deployment=self.name)
         try:
             cur = os.lstat(self.path)
         except FileNotFoundError:
             self._finish()
-            return OwnerResult(complete=True)
-        if (cur.st_dev, cur.st_ino) != (pinned.st_dev, pinned.st_ino):
+            return run.report()
+        if (cur.st_dev, cur.st_ino) != c.ident:
             self._finish()
-            return OwnerResult(kept=((self.path, "replaced by a successor"),), complete=True)
+            run.actor.record(c, Decision(State.FOREIGN, OwnerReason.SUCCESSOR, "replaced by a successor"),
+                             Action.KEPT)
+            return run.report()
         if ofd_conflict(self._fd):
             # A same-name successor of ours joined this segment: it is theirs now.
             self._finish()
-            return OwnerResult(kept=((self.path, "a successor holds its lease"),), complete=True)
+            run.actor.record(c, Decision(State.LIVE, OwnerReason.SUCCESSOR, "a successor holds its lease"),
+                             Action.KEPT)
+            return run.report()
+        d = Decision(State.STALE, OwnerReason.CAPTURED, "captured at READY; every engine exited")
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return OwnerResult(kept=((self.path, "in use; will retry"),))
-        # The name is checked again (through the directory) after taking the lock.
-        parent = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            dir_fd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            run.actor.record(c, d, Action.FAILED, f"open: {e.strerror}")
+            run.pending.append((self.path, "its directory could not be opened; will retry"))
+            return run.report()
         try:
-            done = unlink_if_same(parent, os.path.basename(self.path), (pinned.st_dev, pinned.st_ino),
-                                  fd_handle(self._fd))
+            # The same act as gc's: re-opened by name as the pinned file, its lease and flock taken, the name
+            # checked again through the directory before unlinkat.
+            gone = act_segment(run.actor, dir_fd, c, d)
         finally:
-            os.close(parent)
-        self._finish()
-        if done is Unlinked.REPLACED:
-            return OwnerResult(kept=((self.path, "replaced by a successor"),), complete=True)
-        log.info("removed segment %s", self.path)
-        return OwnerResult(removed=(self.path,), complete=True)
+            os.close(dir_fd)
+        if gone:
+            self._finish()
+            log.info("removed segment %s", self.path)
+        else:
+            # Kept as the act says why (in use, leased or replaced since): the next call sees which.
+            run.pending.append((self.path, "kept for now; will retry"))
+        return run.report()
 
     def _finish(self) -> None:
         if self._fd is not None:
@@ -173,24 +215,23 @@ class WorkerSocketCleanup:
         with self._lock:
             return sorted(self._pending)
 
-    def cleanup(self) -> OwnerResult:
+    def cleanup(self) -> Report:
         """Remove captured nodes nobody serves; directories only when this call emptied them. Never raises."""
         with self._lock:
             if self.done or not self._captured:
-                return OwnerResult(complete=self.done)
+                return _done() if self.done else Report(dry_run=False, entries=[], errors=[], started=time.time(),
+                                                        finished=time.time(), pending=((self.name, "not captured"),))
             try:
                 return self._cleanup_locked()
             except Exception as e:
                 log.warning("socket cleanup of %s failed: %s", self.name, e)
-                return OwnerResult(errors=(f"{self.name}: {e}",))
+                return _failed(self.name, e)
 
-    def _cleanup_locked(self) -> OwnerResult:
+    def _cleanup_locked(self) -> Report:
         facts = listening_facts()
         policy = Policy(grace=0.0)
         now = time.time()
-        removed: list[str] = []
-        kept: list[tuple[str, str]] = []
-        errors: list[str] = []
+        run = _Run()
         emptied_stages: set[int] = set()
         vanished_stages: set[int] = set()  # captured nodes their own worker removed (a graceful stop)
         for path, node in sorted(self._pending.items()):
@@ -201,43 +242,43 @@ class WorkerSocketCleanup:
                 del self._pending[path]  # its directory is gone, so is the node
                 continue
             try:
+                name = os.path.basename(path)
                 try:
-                    st = os.stat(os.path.basename(path), dir_fd=dir_fd, follow_symlinks=False)
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                 except FileNotFoundError:
                     del self._pending[path]
                     vanished_stages.add(node.stage)
                     continue
-                if (st.st_dev, st.st_ino) != node.ident or not same_file(
-                        node.handle, file_handle(os.path.basename(path), dir_fd)):
+                c = candidate_from_stat(Kind.SOCKET, path, name, st, handle=file_handle(name, dir_fd),
+                                        deployment=self.name, rank=node.rank, stage=node.stage)
+                if c.ident != node.ident or not same_file(node.handle, c.handle):
                     del self._pending[path]  # a successor's node: never ours
-                    kept.append((path, "replaced by a successor"))
+                    run.actor.record(c, Decision(State.FOREIGN, OwnerReason.SUCCESSOR, "replaced by a successor"),
+                                     Action.KEPT)
                     continue
-                c = candidate_from_stat(Kind.SOCKET, path, os.path.basename(path), st,
-                               deployment=self.name, rank=node.rank, stage=node.stage)
                 if c.ident not in facts.listeners:
                     test, terr = bound(path, dir_fd)
                     c = c._replace(bind=test, bind_errno=terr)
                 d = decide(c, facts, policy, now)
                 if d.state is not State.STALE:
-                    kept.append((path, f"{d.state}: {d.detail}"))
+                    run.actor.record(c, d, Action.KEPT)
                     continue
-                try:
-                    done = unlink_if_same(dir_fd, os.path.basename(path), node.ident, node.handle)
-                except OSError as e:
-                    errors.append(f"{path}: {e.strerror}")
-                    continue
-                del self._pending[path]
-                if done is Unlinked.REPLACED:
-                    continue  # replaced while we tested it: a successor's
-                removed.append(path)
-                emptied_stages.add(node.stage)
+                # The candidate is the node as captured: the act removes exactly that inode (one act for gc and
+                # the owner: identity and file handle re-checked through the directory fd before unlinkat).
+                c = c._replace(handle=node.handle)
+                if run.actor.remove(dir_fd, c, d):
+                    del self._pending[path]
+                    emptied_stages.add(node.stage)
+                elif run.actor.entries[-1].action is not Action.FAILED:
+                    del self._pending[path]  # replaced while we tested it: a successor's
             finally:
                 os.close(dir_fd)
-        removed += self._remove_dirs(emptied_stages, vanished_stages)
+        self._remove_dirs(run, emptied_stages, vanished_stages)
         self.done = not self._pending
-        return OwnerResult(tuple(removed), tuple(kept), tuple(errors), self.done)
+        run.pending += [(p, "still served, or its removal failed; will retry") for p in sorted(self._pending)]
+        return run.report()
 
-    def _remove_dirs(self, emptied: set[int], vanished: set[int]) -> list[str]:
+    def _remove_dirs(self, run: _Run, emptied: set[int], vanished: set[int]) -> None:
         """rmdir the stage dirs (then the root) that this call emptied of captured nodes.
 
         Only in the call that saw a captured node go: either we removed it, or
@@ -245,7 +286,6 @@ class WorkerSocketCleanup:
         to the other). In the second case the directory must still be the one
         present at capture: a successor's re-created directory is not ours.
         """
-        out: list[str] = []
         root = self.layout.socket_dir(self.name)
 
         def ours(d: str, we_removed: bool) -> bool:
@@ -253,11 +293,51 @@ class WorkerSocketCleanup:
 
         for stage in sorted(s for s in emptied | vanished if s > 0):
             d = self.layout.stage_dir(self.name, stage)
-            if ours(d, stage in emptied) and _rmdir_if_unleased(d, root):
-                out.append(d)
-        if (emptied or vanished) and ours(root, bool(emptied)) and _rmdir_if_unleased(root, root):
-            out.append(root)
-        return out
+            if ours(d, stage in emptied):
+                self._rmdir_if_unleased(run, d, root)
+        if (emptied or vanished) and ours(root, bool(emptied)):
+            self._rmdir_if_unleased(run, root, root)
+
+    def _rmdir_if_unleased(self, run: _Run, path: str, lease_dir: str) -> None:
+        # A same-name successor of ours holds LOCK_SH on the root directory from before
+        # it binds until it exits; while it does, the directories are its own.
+        try:
+            fd = os.open(lease_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+            c = self._dir_candidate(path)
+            if c is None:
+                return  # gone, not a directory, or not empty: nothing of this call's to remove
+            parent_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                run.actor.remove(parent_fd, c, _EMPTY_DIR, rmdir=True)
+            finally:
+                os.close(parent_fd)
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
+                log.warning("could not remove %s: %s", path, e.strerror)
+        finally:
+            os.close(fd)
+
+    def _dir_candidate(self, path: str) -> Candidate | None:
+        """The directory at `path` as a candidate of the act, when it is one and empty (None otherwise)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if os.listdir(fd):
+                return None  # a live peer's node, a successor's: the directory stays, and is no entry of ours
+            st = os.fstat(fd)
+            return candidate_from_stat(Kind.DIRECTORY, path, os.path.basename(path), st, handle=fd_handle(fd),
+                                       deployment=self.name)
+        finally:
+            os.close(fd)
 
 
 def _dir_identity(path: str) -> tuple[tuple[int, int], bytes | None] | None:
@@ -268,27 +348,5 @@ def _dir_identity(path: str) -> tuple[tuple[int, int], bytes | None] | None:
     try:
         st = os.fstat(fd)
         return (st.st_dev, st.st_ino), fd_handle(fd)
-    finally:
-        os.close(fd)
-
-
-def _rmdir_if_unleased(path: str, lease_dir: str) -> bool:
-    # A same-name successor of ours holds LOCK_SH on the root directory from before
-    # it binds until it exits; while it does, the directories are its own.
-    try:
-        fd = os.open(lease_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        os.rmdir(path)
-        return True
-    except OSError as e:
-        if e.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
-            log.warning("could not remove %s: %s", path, e.strerror)
-        return False
     finally:
         os.close(fd)

@@ -27,14 +27,15 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from ..base.ident import file_handle, same_file
 from ..base.layout import Layout
-from .captured import OwnerResult
+from ..clean.report import Report
 
-log = logging.getLogger("kvcached.node.owner")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -153,37 +154,36 @@ class BufferCleanup:
             self.captured = True
             return len(self.buffers)
 
-    def cleanup(self) -> OwnerResult:
+    def cleanup(self) -> Report:
         """Once the serve's processes are gone: remove the captured buffers no live process uses. Never raises."""
         with self._lock:
+            now = time.time()
             if self.done or not self.captured or not self.buffers:
                 self.done = self.done or self.captured
-                return OwnerResult(complete=True)
+                return Report(dry_run=False, entries=[], errors=[], started=now, finished=now)
             alive = [pid for pid, start in self._procs if _still_maps(pid, start)]
             if alive:
-                kept = tuple((os.path.join(self.layout.shm_dir, n), f"PID {alive[0]} of this serve still runs; "
-                              "will retry") for n in sorted(self.buffers))
-                return OwnerResult(kept=kept)
+                pending = tuple((os.path.join(self.layout.shm_dir, n), f"PID {alive[0]} of this serve still runs; "
+                                 "will retry") for n in sorted(self.buffers))
+                return Report(dry_run=False, entries=[], errors=[], started=now, finished=now, pending=pending)
             try:
                 return self._judge_and_remove()
             except Exception as e:  # never raise into the engine's shutdown
                 log.warning("buffer cleanup in %s failed: %s", self.layout.shm_dir, e)
-                return OwnerResult(errors=(f"{self.layout.shm_dir}: {e}",), complete=True)
+                return Report(dry_run=False, entries=[], errors=[f"{self.layout.shm_dir}: {e}"], started=now,
+                              finished=time.time())
             finally:
                 self.done = True
 
-    def _judge_and_remove(self) -> OwnerResult:
+    def _judge_and_remove(self) -> Report:
         from ..base.enums import Action
         from ..clean.cleanup import execute
-        from ..clean.decide import Policy
-        from ..clean.leftovers import plan_engines
+        from ..clean.leftovers.act import plan_engines
+        from ..clean.rules import Policy
 
         p = plan_engines(self.layout, Policy(grace=0.0), names=sorted(self.buffers), whole_view=True)
         mine = [c for c in p.candidates if (b := self.buffers.get(c.name)) is not None
                 and c.ident == b.ident and same_file(b.handle, c.handle)]
         report = execute(replace(p, candidates=mine), dry_run=False)
-        removed = tuple(e.path for e in report.entries if e.action is Action.REMOVED)
-        kept = tuple((e.path, f"{e.state}: {e.decision.detail}" + (f"; {e.note}" if e.note else ""))
-                     for e in report.entries if e.action is Action.KEPT)
-        errors = tuple(f"{e.path}: {e.note}" for e in report.entries if e.action is Action.FAILED)
-        return OwnerResult(removed, kept, errors, complete=True)
+        # What the owner says of its own act: each removal that failed (what the pass could not read, gc says).
+        return replace(report, errors=[f"{e.path}: {e.note}" for e in report.entries if e.action is Action.FAILED])

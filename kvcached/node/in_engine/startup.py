@@ -18,7 +18,7 @@ from ..clean.scan import Kind
 from ..state.lease import SegmentLease
 from ..state.segment import SegmentInfo, create_segment, read_segment
 
-log = logging.getLogger("kvcached.node.startup")
+log = logging.getLogger(__name__)
 
 
 class SegmentConflict(KvcachedError):

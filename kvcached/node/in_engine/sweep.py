@@ -16,7 +16,7 @@ the engines' own dead leftovers too (kvcached.node.clean.leftovers). It runs:
   stays for the next sweep or `kvctl gc`);
 - as its own uid even when that is root: other users' entries are foreign to
   it (a root engine in a pod does not clean the host for other users);
-- logged (logger `kvcached.node.sweep`, the engine's log): every path removed
+- logged (logger `kvcached.node.in_engine.sweep`, the engine's log): every path removed
   and one summary line, or why it skipped.
 
 KVCACHED_STARTUP_SWEEP=0 turns it off: nothing is read or touched.
@@ -40,7 +40,7 @@ from ..state.lease import ForkSafe
 if TYPE_CHECKING:
     from ..clean.report import Report
 
-log = logging.getLogger("kvcached.node.sweep")
+log = logging.getLogger(__name__)
 
 SWEEP_TIME_LIMIT_S = 10.0
 
@@ -109,7 +109,7 @@ def _judge_and_act(layout: Layout, engines: bool, started: float, time_limit: fl
     p = plan(layout, policy)
     plans: list[Any] = [p]
     if engines:
-        from ..clean.leftovers import plan_engines
+        from ..clean.leftovers.act import plan_engines
         from ..clean.present import rpc_dirs
 
         plans.append(plan_engines(layout, policy, facts=p.facts, rpc_dirs=rpc_dirs(layout.root)))

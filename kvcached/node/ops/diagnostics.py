@@ -32,7 +32,7 @@ from .host_hazards import Finding, HostConfig
 from .view import NodeView, build_view
 
 if TYPE_CHECKING:  # the engine pass is imported by the one check that asks for it
-    from ..clean.leftovers import EnginePlan
+    from ..clean.leftovers.act import EnginePlan
 
 
 class Status(StrEnum):
@@ -92,7 +92,7 @@ class Context:
     @cached_property
     def engine_plan(self) -> EnginePlan:
         """The engines' leftovers, judged from the plan's own /proc pass (as `kvctl gc --engines` would)."""
-        from ..clean.leftovers import plan_engines
+        from ..clean.leftovers.act import plan_engines
         from ..clean.present import rpc_dirs
 
         return plan_engines(self.layout, self.policy, facts=self.plan.facts, rpc_dirs=rpc_dirs(self.layout.root),

@@ -1,14 +1,18 @@
 """The gc and delete operations as one call each, so that `kvctl` only parses, calls and renders.
 
-`run_gc(options, ...)`: the node's lock, one plan, orphans killed (and the
-plan made again), the operator's confirmation, the time budget, metrics, and
-an outcome. With `engines` (kvctl gc --engines) the same run also plans the
-engines' own leftovers (kvcached.node.clean.leftovers) from the same /proc pass, and
-one guarded act (cleanup.execute) acts on both plans under the same lock,
-confirmation and time budget, into one report (report.py); without it the
-engine pass is never imported. `run_delete(...)`: one deployment, through the same decisions,
-with delete's own rules for live, foreign and doubtful entries. Questions to
-the operator are callbacks: the core never reads a terminal.
+`run_gc(options, ...)`: the node's lock, the plan of every place it judges
+(the host's alone, or with -A every place of the node, the host's first:
+places/run.py), orphans killed (and the node planned again, once), the
+operator's confirmation, the time budget, metrics, and an outcome. With
+`engines` (kvctl gc --engines) each place's plan also holds the engines' own
+leftovers (kvcached.node.clean.leftovers) from the same /proc pass, and one
+guarded act (cleanup.execute) acts on both plans of a place under the same
+lock, confirmation and time budget, into that place's report (report.py);
+without it the engine pass is never imported. The result lists the places
+with their plans and reports (rounds.PlaceResult), the host's first.
+`run_delete(...)`: one deployment, through the same decisions, with
+delete's own rules for live, foreign and doubtful entries. Questions to the
+operator are callbacks: the core never reads a terminal.
 
 The scan, the /proc pass and the decision are imported when a run needs them:
 on a node that cannot hold kvcached state (nothing in /tmp or /dev/shm that
@@ -21,12 +25,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Set as AbstractSet
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..base.enums import Category, EngineKind, KillOutcome, Kind, Outcome, State
 from ..base.errors import InvalidName, KvcachedError
 from ..base.layout import Layout
+from ..base.place import HOST
 from ..clean.present import may_hold_state, rpc_dirs
 from ..clean.report import Report
 
@@ -34,10 +40,13 @@ if TYPE_CHECKING:
     from ..clean.cleanup import Plan
     from ..clean.decide import Decision
     from ..clean.facts import Facts
-    from ..clean.leftovers import EnginePlan
-    from ..clean.report import SourcePlan
+    from ..clean.orphans import KillResult
     from ..clean.sight import Sight
+    from ..gpu.holders import GpuHolder, GpuReport
+    from ..places.run import PlacePlan
     from .metrics import Sink
+    from .rounds import PlaceResult
+    from .view import DeploymentView, ProcessView
 
 
 class NoMatch(KvcachedError):
@@ -58,9 +67,14 @@ class BadRequest(KvcachedError):
     category = Category.BAD_INPUT
 
 
-@dataclass(frozen=True, kw_only=True)
-class GcOptions:
-    """Everything `kvctl gc` can be asked (by keyword: neighbouring flags must not swap in a reorder)."""
+class GcOptions(NamedTuple):
+    """Everything `kvctl gc` can be asked, immutable.
+
+    Given by keyword only (neighbouring flags must not swap in a reorder:
+    tests/cli/test_gc_idle.py holds every call site to it). A NamedTuple, not
+    a frozen dataclass: every kvctl gc builds one, and a dataclass costs a
+    cold start its generated methods (bench/bench_cli_start.py).
+    """
 
     layout: Layout
     names: Sequence[str] = ()          # names or globs; empty: every deployment
@@ -90,27 +104,45 @@ class GcOptions:
         return bool(self.kinds) or not self.engine_kinds
 
 
-@dataclass(kw_only=True)
-class GcResult:
-    """What one gc run found, did and how it ended."""
+class GcResult(NamedTuple):
+    """What one gc run found, did and how it ended: every place it judged, the host's first.
 
-    report: Report                     # every source's entries (kvcached's, then the engines' when judged)
+    A NamedTuple, immutable: a gc with nothing to judge builds one, and a
+    dataclass costs a cold start its generated methods (bench/bench_cli_start.py).
+    """
+
+    places: Sequence[PlaceResult]      # each place's plans and report; without -A the host alone
     dry_run: bool                      # what the run really was (a run not confirmed is a dry run)
     outcome: Outcome
-    orphans: list[Any] = field(default_factory=list)    # (DeploymentView, ProcessView)
-    killable: set[int] = field(default_factory=set)     # orphan pids kvctl may terminate
-    killed: list[Any] = field(default_factory=list)     # orphans.KillResult
+    orphans: list[tuple[DeploymentView, ProcessView]]  # the orphaned processes the run saw (none: [])
+    all_places: bool = False           # -A: every place of the node was looked for (kvcached.node.places)
+    killable: AbstractSet[int] = frozenset()  # orphan pids kvctl may terminate
+    killed: Sequence[KillResult] = ()
     declined: bool = False             # stale entries remain because nobody confirmed
-    places: list[Any] | None = None    # -A: each place's PlaceResult but the host's, whose entries are `report`'s
-    place_errors: list[str] = field(default_factory=list)  # -A: what could not be read while finding places
+    place_errors: Sequence[str] = ()   # -A: what could not be read while finding places
     sight: Sight | None = None         # what the run could not see (sight.py): blind when it has reasons
-    gpu: Any = None                    # gpu.GpuReport: the GPU holders, when the run judged engines
+    gpu: GpuReport | None = None       # the GPU holders, when the run judged engines
+
+    @property
+    def report(self) -> Report:
+        """The host's report: every source's entries in this node's own /tmp and /dev/shm."""
+        report = self.places[0].report
+        assert report is not None  # the host is always judged
+        return report
+
+    @property
+    def others(self) -> Sequence[PlaceResult]:
+        """-A: every place but the host's."""
+        return self.places[1:]
 
 
-# (the run's plans acted on as a dry run) -> remove?; None: nobody to ask (cron), so do not remove.
-# gc -A passes every other place's dry run too, as the keyword `places` (places.run.PlaceResult each).
-Confirm = Callable[..., bool]
-ConfirmKill = Callable[[list[Any]], bool]
+if TYPE_CHECKING:  # only annotations name them: a cold start builds no typing aliases
+    # (every place's plans acted on as a dry run, the host's first) -> remove?; None: nobody to ask (cron), so
+    # do not remove.
+    Confirm = Callable[[list[PlaceResult]], bool]
+    Orphans = list[tuple[DeploymentView, ProcessView]]
+    ConfirmKill = Callable[[Orphans], bool]
+    ConfirmGpuKill = Callable[[list[GpuHolder]], bool]
 
 
 def _split(names: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -130,7 +162,7 @@ def make_plan(layout: Layout, names: Sequence[str] = (), grace: float | None = N
                 names=exact + list(extra), globs=globs, kinds=kinds, proc_root=proc_root)
 
 
-def _orphans(p: Plan) -> tuple[list[Any], set[int], list[Any]]:
+def _orphans(p: Plan) -> tuple[Orphans, set[int], Orphans]:
     """(orphans, pids kvctl may kill, their (deployment, process) pairs)."""
     if not p.roots:  # nothing to group: a clean node stays fast
         return [], set(), []
@@ -147,11 +179,13 @@ def _orphans(p: Plan) -> tuple[list[Any], set[int], list[Any]]:
     return view.orphans, {o.pid for _, o in targets}, targets
 
 
-def outcome_of(report: Report, killed: Sequence[Any] = (), places: Sequence[Any] = ()) -> Outcome:
-    """Failures first (of any source's entries, a kill, or -A: any place's), then stale entries left, else clean."""
-    if report.failures or any(k.outcome is KillOutcome.FAILED for k in killed) or any(r.failed for r in places):
+def outcome_of(*reports: Report | None, killed: Sequence[KillResult] = ()) -> Outcome:
+    """Failures first (of any report's entries, of any source and place, or a kill), then stale entries left,
+    else clean."""
+    done = [r for r in reports if r is not None]
+    if any(r.failures for r in done) or any(k.outcome is KillOutcome.FAILED for k in killed):
         return Outcome.PARTIAL_FAILURE
-    if report.stale_remaining or any(r.stale_left for r in places):
+    if any(r.stale_remaining for r in done):
         return Outcome.STALE_REMAIN
     return Outcome.CLEAN
 
@@ -164,12 +198,13 @@ def check_options(opts: GcOptions) -> None:
 
 
 def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: ConfirmKill | None = None,
-           progress: Callable[[Any], None] | None = None, confirm_gpu_kill: ConfirmKill | None = None) -> GcResult:
+           progress: Callable[[Any], None] | None = None, confirm_gpu_kill: ConfirmGpuKill | None = None) -> GcResult:
     """Lock, plan, (kill orphans, plan again), confirm, act within the time budget, write metrics.
 
     Raises gclock.LockBusy (metrics say so first), NoMatch, BadRequest, and
     the errors of a bad metrics target before doing any work. `confirm` sees
-    the run's plans acted on as a dry run (engine leftovers too, when asked for).
+    every place's plans acted on as a dry run, the host's first (engine
+    leftovers too, when asked for).
     """
     check_options(opts)
     started, wall_start = time.monotonic(), time.time()
@@ -198,11 +233,14 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
             raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
         else:
             from ..clean.sight import assess
+            from ..places.run import PlacePlan
+            from .rounds import PlaceResult
 
             now = time.time()
             # No pass ran (nothing here could be ours): sight from the credentials and the /proc mount alone.
-            result = GcResult(report=Report(dry_run=opts.dry_run, entries=[], errors=[], started=now, finished=now),
-                              dry_run=opts.dry_run, outcome=Outcome.CLEAN, sight=assess(opts.proc_root))
+            empty = Report(dry_run=opts.dry_run, entries=[], errors=[], started=now, finished=now)
+            result = GcResult(places=[PlaceResult(PlacePlan(HOST), empty)], dry_run=opts.dry_run,
+                              outcome=Outcome.CLEAN, orphans=[], sight=assess(opts.proc_root))
     finally:
         if lock is not None:
             lock.release()
@@ -213,73 +251,79 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
                              success=result.outcome is Outcome.CLEAN and not result.dry_run,
                              orphans=len(result.orphans), started=wall_start,
                              sink=opts.metrics_sink, blind=result.sight is not None and result.sight.blind,
-                             gpu=result.gpu, places=result.places)
+                             gpu=result.gpu, places=result.places if result.all_places else None)
     return result
 
 
 def _kvcached_plan(opts: GcOptions, extra: Sequence[str] = ()) -> Plan:
-    """kvcached's plan of the run (its /proc facts serve the engine plan too); empty when --kind leaves it out."""
+    """The host's kvcached plan (its /proc facts serve every other plan of the run); empty when --kind leaves it out.
+
+    `extra`: names to look for besides the NAMEs and the processes' (a segment named only by processes just
+    killed)."""
     p = make_plan(opts.layout, opts.names, opts.grace, opts.kinds, extra=extra, proc_root=opts.proc_root)
     return p if opts.kvcached_pass else replace(p, roots=[])
 
 
-def _engine_plan(opts: GcOptions, p: Plan) -> EnginePlan:
-    from ..clean.leftovers import plan_engines
+def _plan_round(opts: GcOptions, p: Plan) -> tuple[list[PlacePlan], list[str]]:
+    """Every place's plans from the host plan's facts, the host's first (its kvcached plan is `p` itself); and
+    what could not be read while finding the places (-A)."""
+    from ..places.run import plan_place, scope_of
 
     dirs = rpc_dirs(opts.layout.root) if opts.rpc_dirs is None else tuple(opts.rpc_dirs)
-    return plan_engines(opts.layout, p.policy, facts=p.facts, rpc_dirs=dirs, kinds=opts.engine_kinds,
-                        proc_root=opts.proc_root)
+    scope = scope_of(opts.layout, p.policy, p.facts, every_place=opts.all_places, kubelet_dir=opts.kubelet_dir,
+                     now=p.now, kvcached=opts.kvcached_pass, engines=opts.engine_pass, names=opts.names,
+                     kinds=opts.kinds, engine_kinds=opts.engine_kinds, rpc_dirs=dirs, proc_root=opts.proc_root)
+    return [plan_place(pl, scope, p) for pl in scope.places.all()], list(scope.places.errors)
 
 
-def _any_stale(plans: Sequence[SourcePlan], pp: Any = None) -> bool:
-    """Whether the plans would remove anything (-A: in any place)."""
-    return any(d.state is State.STALE for p in plans for _, d in p.entries()) or (pp is not None and pp.any_stale())
+def _ask(confirm: Confirm, plans: Sequence[PlacePlan]) -> bool:
+    """The operator's word on every place's plans, shown as the same plans run dry."""
+    from .rounds import act
+
+    return confirm([act(pp, dry_run=True) for pp in plans])
 
 
-def _ask(confirm: Confirm, plans: Sequence[SourcePlan], pp: Any) -> bool:
-    """The operator's word on the plans, shown as the same plans run dry (-A: every other place's as `places`)."""
-    from ..clean.cleanup import execute
+def _kill_orphans(opts: GcOptions, targets: Orphans, confirm_kill: ConfirmKill | None) -> list[KillResult]:
+    """--kill-orphans: the orphaned workers of dead deployments ended, once the operator said yes."""
+    if not (opts.kill_orphans and not opts.dry_run and targets):
+        return []
+    if not (opts.yes or (confirm_kill is not None and confirm_kill(targets))):
+        return []
+    from ..clean.orphans import terminate
 
-    preview = execute(*plans, dry_run=True)
-    if pp is None:
-        return confirm(preview)
-    from ..places.run import execute_places
-
-    return confirm(preview, places=execute_places(pp, dry_run=True, skip_host=True))
+    return terminate([o.info for _, o in targets], grace=5.0, proc_root=opts.proc_root)
 
 
 def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, confirm_kill: ConfirmKill | None,
-                   progress: Callable[[Any], None] | None, confirm_gpu: ConfirmKill | None = None) -> GcResult:
-    """gc's run under the lock: plan, orphans, confirmation, the guarded act."""
-    from ..clean.cleanup import execute
+                   progress: Callable[[Any], None] | None, confirm_gpu: ConfirmGpuKill | None = None) -> GcResult:
+    """gc's run under the lock: plan every place, end orphans, confirm, act in each place.
 
+    The node is planned once; only a kill (an orphan, a GPU holder) changes
+    what the plans rest on, and then the node is planned again, once per kill.
+    """
     p = _kvcached_plan(opts)
     if opts.names and not p.matched and not opts.all_places:  # -A: the names may match in another place (below)
         raise NoMatch(f"no deployment matches {' '.join(opts.names)} under {opts.layout.root}")
     orphans, killable, targets = _orphans(p)
-    killed: list[Any] = []
-    if opts.kill_orphans and not opts.dry_run and targets:
-        if opts.yes or (confirm_kill is not None and confirm_kill(targets)):
-            from ..clean.orphans import terminate
-
-            killed = terminate([o.info for _, o in targets], grace=5.0, proc_root=opts.proc_root)
-            # Their segment may be named only by the processes just killed: name it explicitly.
-            p = _kvcached_plan(opts, extra=sorted({d.name for d, _ in targets}))
-            orphans, killable, _ = _orphans(p)
+    killed = _kill_orphans(opts, targets, confirm_kill)
+    # A segment may be named only by the processes just killed: it is looked for by name from now on.
+    extra = sorted({d.name for d, _ in targets}) if killed else []
+    if killed:
+        p = _kvcached_plan(opts, extra)
+        orphans, killable, _ = _orphans(p)
 
     def left() -> float | None:
-        # The bound covers the whole run: planning, killing and kvcached's removals count against it.
+        # The bound covers the whole run: planning, killing and every place's removals count against it.
         return max(1e-9, opts.time_limit - (time.monotonic() - started)) if opts.time_limit else None
 
-    gpu = None
     if opts.engine_pass:
-        from ..gpu import prepare
+        from ..gpu.holders import prepare
 
         prepare(p.facts)  # the engine pass's one read of the maps also finds GPU mappings
-    pp = _places_plan(opts, p) if opts.all_places else None
-    if pp is not None and opts.names and not any(x.plan is not None and x.plan.matched for x in pp.plans):
+    plans, place_errors = _plan_round(opts, p)
+    if opts.all_places and opts.names and not any(x.plan is not None and x.plan.matched for x in plans):
         raise NoMatch(f"no deployment matches {' '.join(opts.names)} in any place of the node")
-    ep = _host_engines(opts, p, pp)
+    gpu = None
     if opts.engine_pass:
         from ..gpu.gcstep import gpu_step
 
@@ -287,46 +331,22 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
                               confirm=confirm_gpu, time_limit=left(), proc_root=opts.proc_root)
         if ended:  # what they held (their /dev/shm buffers) is judged again without them
             killed += ended
-            p = _kvcached_plan(opts)
-            pp = _places_plan(opts, p) if opts.all_places else None
-            ep = _host_engines(opts, p, pp)
-    plans: list[SourcePlan] = [p] if ep is None else [p, ep]
+            p = _kvcached_plan(opts, extra)
+            plans, place_errors = _plan_round(opts, p)
     dry = opts.dry_run
     declined = False
     # Only a question needs to know whether anything is stale: a dry run and --yes skip the pass over every entry.
-    if not dry and not opts.yes and _any_stale(plans, pp):
-        dry = confirm is None or not _ask(confirm, plans, pp)
+    if not dry and not opts.yes and any(pp.any_stale() for pp in plans):
+        dry = confirm is None or not _ask(confirm, plans)
         declined = dry
-
-    report = execute(*plans, dry_run=dry, time_limit=left(), progress=progress)
-    places = None
-    if pp is not None:
-        from ..places.run import execute_places
-
-        places = execute_places(pp, dry_run=dry, deadline=left, progress=progress, skip_host=True)
     from ..clean.sight import assess
+    from .rounds import act
 
-    return GcResult(report=report, dry_run=dry, outcome=outcome_of(report, killed, places or ()), orphans=orphans,
-                    killable=killable, killed=killed, declined=declined, places=places,
-                    place_errors=list(pp.errors) if pp is not None else [], sight=assess(opts.proc_root, p.facts),
-                    gpu=gpu)
-
-
-def _host_engines(opts: GcOptions, p: Plan, pp: Any) -> EnginePlan | None:
-    """The host's engine plan: -A's host place's (one evidence pass for every place), else its own."""
-    if pp is not None:
-        return pp.host.engines
-    return _engine_plan(opts, p) if opts.engine_pass else None
-
-
-def _places_plan(opts: GcOptions, p: Plan) -> Any:
-    """-A: every place's plan from the host plan's facts (the host's kvcached plan is `p` itself)."""
-    from ..places.run import plan_places
-
-    dirs = rpc_dirs(opts.layout.root) if opts.rpc_dirs is None else tuple(opts.rpc_dirs)
-    return plan_places(opts.layout, p.policy, p.facts, kvcached=opts.kvcached_pass, engines=opts.engine_pass,
-                       engine_kinds=opts.engine_kinds, rpc_dirs=dirs, kubelet_dir=opts.kubelet_dir, host_plan=p,
-                       now=p.now, proc_root=opts.proc_root, names=opts.names, kinds=opts.kinds)
+    places = [act(pp, dry_run=dry, time_limit=left(), progress=progress) for pp in plans]
+    return GcResult(places=places, dry_run=dry, outcome=outcome_of(*(r.report for r in places), killed=killed),
+                    all_places=opts.all_places,
+                    orphans=orphans, killable=killable, killed=killed, declined=declined, place_errors=place_errors,
+                    sight=assess(opts.proc_root, p.facts), gpu=gpu)
 
 
 def _refuse_engine_name(name: str) -> None:
@@ -375,6 +395,6 @@ def run_delete(layout: Layout, name: str, *, grace: float | None = None, vouch: 
             what = "; ".join(f"{c.path}: {d.state} ({d.detail})" for c, d in doubtful[:3])
             raise Refused(f"{name}: liveness not proven dead ({what}); re-run with --yes to delete anyway")
     # The operator vouched for these: they go through the same guarded removal as stale ones.
-    vouched = {c.path: replace(d, state=State.STALE, detail=d.detail + "; deleted on request")
+    vouched = {c.path: d._replace(state=State.STALE, detail=d.detail + "; deleted on request")
                for c, d in doubtful}
     return execute(replace(p, decisions={**p.decisions, **vouched}), dry_run=False)

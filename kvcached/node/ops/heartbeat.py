@@ -3,9 +3,10 @@
 A loop that stops making runs (a run stuck on a hung filesystem, the process
 stopped, a deadlock) keeps its process alive, so a liveness probe cannot
 look at the process: it looks at when the last run finished. The file is
-replaced by rename (temp file in the same directory), so a probe reads the
-previous beat or the new one, never half of one. The time in it is the wall
-clock's, as a probe on the same node reads it.
+replaced by rename (temp file in the same directory, synced first:
+base/files.replace_file), so a probe reads the previous beat or the new one,
+never half of one. The time in it is the wall clock's, as a probe on the same
+node reads it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -60,24 +60,12 @@ def write(path: str, beat: Beat) -> None:
         raise HeartbeatError(f"{path} is not a regular file: the heartbeat is not written over it")
     body = json.dumps({MARKER: VERSION, "pid": beat.pid, "runs": beat.runs,
                        "finished": round(beat.finished, 3), "exit_code": beat.exit_code}) + "\n"
-    directory = os.path.dirname(os.path.abspath(path))
+    from ..base.files import replace_file
+
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+        replace_file(path, body)  # 0644: a probe may run as another user than the loop
     except OSError as e:
         raise HeartbeatError(f"{path}: cannot write the heartbeat ({e.strerror})") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(body)
-        os.chmod(tmp, 0o644)  # a probe may run as another user than the loop
-        os.replace(tmp, path)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        if isinstance(e, OSError):
-            raise HeartbeatError(f"{path}: cannot write the heartbeat ({e.strerror})") from None
-        raise
 
 
 def check_target(path: str) -> None:

@@ -10,7 +10,6 @@ import errno
 import os
 import re
 import stat
-import tempfile
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -19,7 +18,7 @@ from ..base.errors import KvcachedError
 from ..clean.report import Report, Source
 
 if TYPE_CHECKING:  # -A's places are imported only by runs that judge them
-    from ..places.run import PlaceResult
+    from .rounds import PlaceResult
 
 PREFIX = "kvctl_gc"
 _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -97,8 +96,8 @@ def render(report: Report, *, success: bool, orphans: int = 0, last_success: flo
     state (render_engines). Failures and the time limit are the whole run's. `blind`:
     whether the run could not see every process (sight.py); None writes no
     `kvctl_gc_blind` (a caller that did not ask). With `places` (gc -A:
-    every place but the host's), what is left by place kind (render_places);
-    the counts above stay the host's.
+    every place, the host's first), what is left by place kind
+    (render_places); the counts above stay the host's.
     """
     lines: list[str] = []
     whole = report
@@ -135,26 +134,23 @@ def render(report: Report, *, success: bool, orphans: int = 0, last_success: flo
     if engines is not None:
         lines.append(render_engines(engines).rstrip("\n"))
     if places is not None:
-        lines.append(render_places(whole, places).rstrip("\n"))
+        lines.append(render_places(places).rstrip("\n"))
     return "\n".join(lines) + "\n"
 
 
-def render_places(report: Report, places: Sequence[PlaceResult]) -> str:
+def render_places(places: Sequence[PlaceResult]) -> str:
     """gc -A's metrics: places found, stale entries and bytes left by place kind, and the worst place's bytes.
 
-    `report` is the host's (every source), `places` every other place's. By
-    kind, not by pod: a label per pod would be a series per pod that ever
-    lived; kvctl_gc_engine_stale_bytes_max_place lets one alert catch the pod
-    whose volume is filling (`kvctl inspect -A` names it).
+    `places`: every place's result, the host's first (its report every
+    source's). By kind, not by pod: a label per pod would be a series per pod
+    that ever lived; kvctl_gc_engine_stale_bytes_max_place lets one alert
+    catch the pod whose volume is filling (`kvctl inspect -A` names it).
     """
-    from ..places.discover import PlaceKind
+    from ..base.place import PlaceKind
 
     found = {k: 0 for k in PlaceKind}
     entries = {k: 0 for k in PlaceKind}
     held = {k: 0 for k in PlaceKind}
-    found[PlaceKind.HOST] = 1
-    left = report.stale_remaining
-    entries[PlaceKind.HOST], held[PlaceKind.HOST] = len(left), sum(e.bytes for e in left)
     worst = 0
     for r in places:
         left = r.report.stale_remaining if r.report is not None else []
@@ -162,7 +158,8 @@ def render_places(report: Report, places: Sequence[PlaceResult]) -> str:
         found[r.place.kind] += 1
         entries[r.place.kind] += len(left)
         held[r.place.kind] += here
-        worst = max(worst, here)
+        if not r.place.is_host:
+            worst = max(worst, here)
     lines: list[str] = []
     _metric(lines, "places", "gauge", "Places the last run judged (gc -A), by kind.",
             [({"place_kind": str(k)}, n) for k, n in found.items()])
@@ -228,29 +225,14 @@ def check_target(path: str) -> None:
 
 def write_textfile(path: str, body: str) -> None:
     """Replace `path` with `body` atomically; readers see the old file or the new one, never a mix."""
+    from ..base.files import replace_file
+
     check_target(path)
-    directory = os.path.dirname(os.path.abspath(path)) or "."
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    except OSError as e:
-        raise MetricsError(f"{path}: cannot write metrics ({e.strerror})") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; node_exporter often runs as another user
-        check_target(path)  # again, just before the rename: something may have been planted meanwhile
-        os.replace(tmp, path)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        if isinstance(e, OSError) and not isinstance(e, KvcachedError):
-            why = e.strerror or errno.errorcode.get(e.errno or 0, str(e))
-            raise MetricsError(f"{path}: cannot write metrics ({why})") from None
-        raise
+        replace_file(path, body, check=lambda: check_target(path))
+    except OSError as e:  # a MetricsError from the check is no OSError: it goes on as it is
+        why = e.strerror or errno.errorcode.get(e.errno or 0, str(e))
+        raise MetricsError(f"{path}: cannot write metrics ({why})") from None
 
 
 def _previous_text(path: str | None, sink: Sink | None) -> str:

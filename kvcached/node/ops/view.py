@@ -15,10 +15,10 @@ from ..base.enums import Category
 from ..base.errors import KvcachedError, SegmentBusy
 from ..base.layout import Layout
 from ..base.name_rules import default_name_pgid, split_dp_rank
-from ..clean.cleanup import Plan
+from ..clean.cleanup import Plan, preview
 from ..clean.decide import State
 from ..clean.facts import START_SLACK, Facts, ProcessInfo
-from ..clean.report import Entry, preview
+from ..clean.report import Entry
 from ..clean.roles import Role, RoleInfo, classify_process, tie_sglang_mains
 from ..clean.scan import Candidate, FileType, Kind
 from ..state.segment import SegmentInfo, read_segment
@@ -330,3 +330,4 @@ def build_view(p: Plan, *, read_segments: bool = True, namespaces: bool = True) 
     ns = _namespaces(p.layout, facts, roles) if namespaces else []
     incomplete = sorted(facts.blind_spots(p.policy.effective_uid))
     return NodeView(p.layout, deployments, unowned, ns, list(p.errors), facts, incomplete)
+

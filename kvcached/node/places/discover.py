@@ -27,93 +27,20 @@ import errno
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ... import settings
-from ..base.enums import StrEnum
 from ..base.layout import Layout
 from ..base.mounts import Mount, read_mountinfo
+from ..base.place import HOST, HOST_PLACE, Place, PlaceKind, Seen
 from ..clean.facts import Facts
 from .sandbox import holder_of
 
-
-class PlaceKind(StrEnum):
-    """What kind of place a filesystem is (the `kind` of an entry's `place` in JSON)."""
-
-    HOST = "host"                        # the node's own /dev/shm and /tmp
-    MOUNT_NAMESPACE = "mount_namespace"  # another mount namespace's /dev/shm or /tmp
-    POD_VOLUME = "pod_volume"            # a memory-backed emptyDir under the kubelet's pod directory
-    SANDBOX = "sandbox"                  # a container runtime's per-sandbox /dev/shm
-
-
-class Seen(StrEnum):
-    """Which directory a place is judged as: /dev/shm (segments, engine buffers) or /tmp (sockets)."""
-
-    SHM = "shm"
-    TMP = "tmp"
-
+__all__ = ["HOST", "HOST_PLACE", "Place", "PlaceKind", "Places", "Seen", "discover"]
 
 _INSIDE = {Seen.SHM: "/dev/shm", Seen.TMP: "/tmp"}
 
 
-@dataclass(frozen=True)
-class Place:
-    """One filesystem where state can live, and what the node shows of whose it is."""
-
-    kind: PlaceKind
-    path: str                      # the directory as kvctl reaches it
-    seen: Seen
-    dev: int | None = None         # its st_dev; None for the host, whose two directories the layout names
-    ino: int | None = None         # its directory's st_ino: with dev, what the act must find again
-    path_inside: str | None = None  # the directory as the pod or container sees it, when a process shows it
-    pod_uid: str | None = None
-    pod: str | None = None
-    namespace: str | None = None
-    container: str | None = None   # a container id from a process's cgroup, or the sandbox's id
-    runtime: str | None = None     # containerd, cri-o, docker: whose sandbox
-    volume: str | None = None      # the emptyDir's name
-    pids: tuple[int, ...] = ()     # processes that see it in their own mount namespace
-    errors: tuple[str, ...] = ()   # what could not be read about it
-    holder: int | None = None      # a sandbox's pause/infra process, named by the runtime's state (sandbox.py)
-    holder_note: str | None = None  # a sandbox's: why no holder is known (then every viewer may be a creator)
-
-    @property
-    def is_host(self) -> bool:
-        return self.kind is PlaceKind.HOST
-
-    @property
-    def label(self) -> str:
-        """How a report names the place: its pod and volume or container, else its path."""
-        if self.is_host:
-            return "host"
-        who = f"pod {self.namespace + '/' if self.namespace else ''}{self.pod or self.pod_uid}" \
-            if (self.pod or self.pod_uid) else f"{self.kind.value.replace('_', ' ')}"
-        what = f"volume {self.volume}" if self.volume else (f"container {self.container[:12]}" if self.container
-                                                            else "")
-        inside = f" at {self.path_inside}" if self.path_inside else ""
-        return f"{who}{', ' + what if what else ''}{inside} ({self.path})"
-
-    def layout(self, host: Layout) -> Layout:
-        """The layout that judges this place alone: its one directory, the other one absent."""
-        if self.is_host:
-            return host
-        return Layout(root=self.path, shm=self.path if self.seen is Seen.SHM else "",
-                      tmp=self.path if self.seen is Seen.TMP else "")
-
-    def to_dict(self) -> dict[str, object]:
-        """The `place` of an entry, a deployment and the document's list of places (kvctl/schemas)."""
-        return {"kind": str(self.kind), "pod_uid": self.pod_uid, "pod": self.pod, "namespace": self.namespace,
-                "container": self.container, "path": self.path, "path_inside": self.path_inside,
-                "volume": self.volume, "runtime": self.runtime, "device": _dev_text(self.dev),
-                "pids": list(self.pids), "holder": self.holder, "holder_note": self.holder_note}
-
-
-def _dev_text(dev: int | None) -> str | None:
-    return None if dev is None else f"{os.major(dev)}:{os.minor(dev)}"
-
-
-HOST = Place(PlaceKind.HOST, "/", Seen.SHM)
-HOST_PLACE = HOST  # its name on the node layer's face, where HOST alone would not say what it is
 
 
 @dataclass
@@ -313,7 +240,7 @@ class _Finder:
 
     def add(self, ident: tuple[int, int], place: Place) -> None:
         if ident not in self.host_ids and ident not in self.by_id:
-            self.by_id[ident] = replace(place, ino=ident[1])
+            self.by_id[ident] = place._replace(ino=ident[1])
 
     def visible(self, mounts: Iterable[Mount]) -> frozenset[int]:
         """The devices a namespace's processes can use: its mounts, less the kubelet's and runtimes' copies."""
@@ -396,8 +323,8 @@ class _Finder:
                 ids = (pod_uid, container, _hostname(self.proc_root, rep) if pod_uid else None)
             pod_uid, container, hostname = ids
             if known is not None:  # a pod volume or sandbox shm: now we know where the pod sees it
-                self.by_id[ident] = replace(known, path_inside=inside, container=known.container or container,
-                                            pod_uid=known.pod_uid or pod_uid, pod=known.pod or hostname)
+                self.by_id[ident] = known._replace(path_inside=inside, container=known.container or container,
+                                                   pod_uid=known.pod_uid or pod_uid, pod=known.pod or hostname)
                 continue
             self.add(ident, Place(PlaceKind.MOUNT_NAMESPACE, f"{root}{inside}", seen, m.dev, path_inside=inside,
                                   pod_uid=pod_uid, pod=hostname, container=container))
@@ -410,8 +337,8 @@ def _with_holder(pl: Place, facts: Facts, sandbox_root: str) -> Place:
     h = holder_of(pl.runtime, pl.container, facts, pl.pids, sandbox_root)
     if h is None:
         return pl
-    return replace(pl, holder=h.pid, holder_note=h.why, pod=pl.pod or h.pod, namespace=pl.namespace or h.namespace,
-                   pod_uid=pl.pod_uid or h.pod_uid)
+    return pl._replace(holder=h.pid, holder_note=h.why, pod=pl.pod or h.pod, namespace=pl.namespace or h.namespace,
+                       pod_uid=pl.pod_uid or h.pod_uid)
 
 
 def discover(facts: Facts, host: Layout, *, kubelet_dir: str | None = None,
@@ -440,7 +367,7 @@ def discover(facts: Facts, host: Layout, *, kubelet_dir: str | None = None,
     for pid, p in facts.processes.items():
         for dev in per_ns.get(p.mnt_ns, ()):
             viewers.setdefault(dev, []).append(pid)
-    final = [_with_holder(replace(pl, pids=tuple(sorted(viewers.get(pl.dev, ())))), facts, finder.sandbox_root)
+    final = [_with_holder(pl._replace(pids=tuple(sorted(viewers.get(pl.dev, ())))), facts, finder.sandbox_root)
              for pl in places if pl.dev is not None]
-    return Places(replace(HOST, path=host.root), final, {d: tuple(sorted(v)) for d, v in viewers.items()},
+    return Places(HOST._replace(path=host.root), final, {d: tuple(sorted(v)) for d, v in viewers.items()},
                   finder.errors)

@@ -26,18 +26,20 @@ from ..state.lease import LockEntry
 from .discover import Place, Places
 
 
-def creators(facts: Facts, places: Places, pids_in_names: Iterable[int]) -> dict[int, dict[int, tuple[Proc, ...]]]:
+def creators(facts: Facts, places: Places, pids_in_names: Iterable[int], only: Place | None = None
+             ) -> dict[int, dict[int, tuple[Proc, ...]]]:
     """device -> {PID as its innermost namespace names it -> the viewers that have it}, for the names' PIDs only.
 
     One read of every process's NSpid (Facts.namespace_pids, shared with the
-    host's evidence), then one pass over each place's viewers.
+    host's evidence), then one pass over each place's viewers (`only`: that
+    place's alone).
     """
     wanted = set(pids_in_names)
     out: dict[int, dict[int, tuple[Proc, ...]]] = {}
     if not wanted:
         return out
     nspids = facts.namespace_pids()
-    for place in places.others:
+    for place in places.others if only is None else [only]:
         assert place.dev is not None
         found: dict[int, list[Proc]] = {}
         for pid in places.viewers.get(place.dev, ()):

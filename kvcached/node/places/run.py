@@ -1,12 +1,23 @@
-"""Plan and act on every place of the node (kvctl -A): one /proc pass, one maps pass, a plan per place.
+"""Plan and act on one place of the node, or on every place (kvctl -A), from one /proc pass.
 
 Each place is judged by the same scans and decisions as the host (cleanup.plan
-for kvcached's own state, the engines' scan and decide_engine for theirs),
+for kvcached's own state, leftovers.act.decide_engines for the engines'),
 with the facts and evidence as that place sees them (places/evidence.py),
 and acted on by the one guarded act (cleanup.execute), inside that place
 alone: every directory is re-opened through the path it was judged by and
 must still be the directory judged, every entry re-identified before it goes.
 Every candidate outside the host carries its place (`origin.place`).
+
+- `Scope`: what every place of one round is judged with (the facts, the
+  places found, the names kvcached ties to its state anywhere on the node,
+  the filters); `scope_of` makes it.
+- `plan_place(place, scope)`: one place's plans (`PlacePlan`); no side effect.
+- `act_place(plan, ...)`: the guarded act inside that place, one report.
+- `plan_places`: every place's plan, the host's first, from one scope.
+
+A round over the node is plan_place over every place (gc -A asks the operator
+between the two), then act_place over each; one place alone (a place an event
+touched) is the same two calls (ops/rounds.py).
 """
 
 from __future__ import annotations
@@ -14,24 +25,29 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..base.enums import Action, EngineKind, State
+from ..base.enums import EngineKind, Kind, State
 from ..base.layout import Layout
-from ..clean.decide import Policy
-from ..clean.facts import Facts
-from ..clean.report import Decision, Entry, Report, SourcePlan
-from .discover import Place, Places, Seen, discover
+from ..base.place import HOST, Place, Seen
 
+# Only building blocks at import: a gc with nothing to judge names the host's PlacePlan and no more.
 if TYPE_CHECKING:
-    from ..clean.cleanup import Plan
-    from ..clean.leftovers import EnginePlan
+    from ..clean.cleanup import Plan, SourcePlan
+    from ..clean.facts import Facts
+    from ..clean.leftovers.act import EnginePlan
+    from ..clean.report import Entry, Report
+    from ..clean.rules import Policy
     from ..clean.scan import Candidate
+    from .discover import Places
 
 
-@dataclass
-class PlacePlan:
+# The types here are NamedTuples, not dataclasses: a gc with nothing to judge builds the host's PlacePlan, and
+# a dataclass costs a cold start its generated methods (bench/bench_cli_start.py).
+
+
+class PlacePlan(NamedTuple):
     """One place's plans: kvcached's own state in it, the engines' leftovers in it (each None when not asked)."""
 
     place: Place
@@ -44,44 +60,20 @@ class PlacePlan:
     def any_stale(self) -> bool:
         return any(d.state is State.STALE for x in self.sources() for _, d in x.entries())
 
-
-@dataclass
-class PlaceResult:
-    """What a run did in one place: its report (every source's entries), None when nothing was asked there."""
-
-    place: Place
-    report: Report | None = None
-
-    @property
-    def failed(self) -> bool:
-        return bool(self.report is not None and self.report.failures)
-
-    @property
-    def stale_left(self) -> bool:
-        return bool(self.report is not None and self.report.stale_remaining)
-
-    def stale_bytes(self) -> int:
-        """What the dead engine leftovers here hold (removed or not): what the place gets back."""
-        return 0 if self.report is None else self.report.bytes(state=State.STALE)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The place as a document lists it, with what could not be read in it and what its dead ones hold."""
-        errors = list(self.place.errors)
-        if self.report is not None:
-            errors += [e for e in self.report.errors if e not in errors]
-        return {**self.place.to_dict(), "label": self.place.label, "errors": errors,
-                "entries": len(self.report.entries) if self.report else 0,
-                "stale_entries": self.report.count(state=State.STALE) if self.report else 0,
-                "stale_bytes": self.stale_bytes()}
+    def errors(self) -> list[str]:
+        """What could not be read about the place and in its plans, each once."""
+        out = list(self.place.errors)
+        for part in self.sources():
+            out += [e for e in part.errors if e not in out]
+        return out
 
 
-@dataclass
-class PlacesPlan:
+class PlacesPlan(NamedTuple):
     """Every place's plan, the host's first, from one /proc pass."""
 
     places: Places
-    plans: list[PlacePlan] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+    plans: list[PlacePlan]
+    errors: list[str]
 
     def any_stale(self) -> bool:
         return any(pp.any_stale() for pp in self.plans)
@@ -89,6 +81,26 @@ class PlacesPlan:
     @property
     def host(self) -> PlacePlan:
         return self.plans[0]
+
+
+class Scope(NamedTuple):
+    """What every place of one round is judged with: one /proc pass, the places it shows, the run's filters."""
+
+    layout: Layout                      # the host's
+    policy: Policy
+    facts: Facts
+    places: Places
+    now: float
+    kvcached: bool = True               # judge kvcached's own state
+    engines: bool = False               # judge the engines' leftovers
+    names: Sequence[str] = ()           # kvcached's deployments by exact name or glob (gc's NAMEs)
+    kinds: Sequence[Kind] = ()
+    engine_kinds: Sequence[EngineKind] = ()
+    rpc_dirs: Sequence[str] = ()        # the host's RPC directories besides /tmp
+    proc_root: str = "/proc"
+    # Every name kvcached ties to its state anywhere on the node: a segment's name is tied to kvcached by a
+    # socket directory that may sit in another place (a container's /tmp and /dev/shm are two filesystems).
+    kvcached_names: frozenset[str] = frozenset()
 
 
 def _kvcached_names(layout: Layout, places: Places, facts: Facts) -> set[str]:
@@ -102,21 +114,42 @@ def _kvcached_names(layout: Layout, places: Places, facts: Facts) -> set[str]:
     return names
 
 
+def scope_of(layout: Layout, policy: Policy, facts: Facts, *, every_place: bool = True,
+             kubelet_dir: str | None = None, now: float | None = None, kvcached: bool = True, engines: bool = False,
+             names: Sequence[str] = (), kinds: Sequence[Kind] = (), engine_kinds: Sequence[EngineKind] = (),
+             rpc_dirs: Sequence[str] = (), proc_root: str = "/proc") -> Scope:
+    """The scope of one round: every place of the node (discover), or the host alone (`every_place` False).
+
+    With the engines asked for, the devices of every place are announced to
+    the facts, so that the one read of every process's maps that the first
+    place's engine evidence makes serves every other place's too.
+    """
+    from .discover import Places, discover
+
+    places = discover(facts, layout, kubelet_dir=kubelet_dir) if every_place else Places(HOST, [])
+    if engines:
+        facts.also_map(pl.dev for pl in places.others if pl.dev is not None)
+    return Scope(layout=layout, policy=policy, facts=facts, places=places, now=time.time() if now is None else now,
+                 kvcached=kvcached, engines=engines, names=tuple(names), kinds=tuple(kinds),
+                 engine_kinds=tuple(engine_kinds), rpc_dirs=tuple(rpc_dirs), proc_root=proc_root,
+                 kvcached_names=frozenset(_kvcached_names(layout, places, facts)))
+
+
 def _in_place(c: Candidate, place: Place) -> Candidate:
     """The candidate, and everything below it, tagged with its place (`origin.place`)."""
     return c._replace(place=place, children=tuple(_in_place(x, place) for x in c.children))
 
 
-def _plan_kvcached(place: Place, layout: Layout, places: Places, facts: Facts, policy: Policy,
-                   names: Sequence[str], now: float, globs: Sequence[str] = (), kinds: Iterable[Any] = ()) -> Plan:
-    """cleanup.plan of one place, with the facts as the place sees them; only entries on its own filesystem."""
+def _plan_kvcached(place: Place, scope: Scope) -> Plan:
+    """cleanup.plan of one place other than the host, with the facts as the place sees them; only entries on
+    its own filesystem."""
     from ..clean.cleanup import plan
     from .evidence import place_facts
 
-    here = place.layout(layout)
-    if place.is_host:
-        return plan(here, policy, facts=facts, names=names, globs=globs, kinds=kinds, now=now)
-    p = plan(here, policy, facts=place_facts(facts, places, place), names=names, globs=globs, kinds=kinds, now=now)
+    exact = [n for n in scope.names if not any(ch in n for ch in "*?[")]
+    p = plan(place.layout(scope.layout), scope.policy, facts=place_facts(scope.facts, scope.places, place),
+             names=sorted(scope.kvcached_names | set(exact)), globs=list(scope.names), kinds=scope.kinds,
+             now=scope.now)
     kept = [_in_place(c, place) for c in p.roots if c.ident[0] == place.dev]
     dropped = [f"{c.path}: not on the filesystem of {place.path}; not judged" for c in p.roots
                if c.ident[0] != place.dev]
@@ -124,63 +157,69 @@ def _plan_kvcached(place: Place, layout: Layout, places: Places, facts: Facts, p
     return replace(p, roots=kept, segments=segments, errors=p.errors + dropped)
 
 
-def _plan_engines(plans: list[PlacePlan], layout: Layout, places: Places, facts: Facts, policy: Policy,
-                  kinds: Iterable[EngineKind], rpc_dirs: Sequence[str], names: set[str], now: float,
-                  proc_root: str) -> None:
-    """Every place's engine plan: one scan each, the evidence gathered once for all of them, a decision per entry."""
-    from ..clean.leftovers import EnginePlan, decide_engine, gather_engine_evidence, scan_engine_state, settle_groups
+def _plan_engines(place: Place, scope: Scope) -> EnginePlan:
+    """One place's engine plan: its scan, the evidence as it sees it, decide_engines (the host's own path)."""
+    from ..clean.leftovers.act import decide_engines
+    from ..clean.leftovers.evidence import gather_engine_evidence
     from ..clean.leftovers.families import Evidence
+    from ..clean.leftovers.scan import scan_engine_state
     from .evidence import creators, for_place
 
-    scans = []
-    for pp in plans:
-        pl = pp.place
-        found = scan_engine_state(pl.layout(layout), facts, rpc_dirs if pl.is_host else (), kvcached=names,
-                                  dev=pl.dev)
-        if not pl.is_host:
-            found.candidates = [c._replace(place=pl) for c in found.candidates]
-        scans.append(found)
-    everything = [c for s in scans for c in s.candidates]
-    base = gather_engine_evidence(facts, everything, is_root=policy.is_root, proc_root=proc_root)
-    named = {c.creator_pid for c in everything if c.family.evidence is Evidence.CREATOR and c.creator_pid is not None}
-    by_place = creators(facts, places, named)
-    kind_set = set(kinds)
-    for pp, found in zip(plans, scans):
-        ev = for_place(base, pp.place, by_place)
-        decisions = {c.path: decide_engine(c, ev, policy, now) for c in found.candidates}
-        settle_groups(found.candidates, decisions)
-        chosen = [c for c in found.candidates if not kind_set or c.kind in kind_set]
-        errors = found.errors + (facts.errors if pp.place.is_host else [])
-        pp.engines = EnginePlan(pp.place.layout(layout), facts, policy, now, chosen, decisions, errors,
-                                len(found.candidates))
+    facts = scope.facts
+    found = scan_engine_state(place.layout(scope.layout), facts, scope.rpc_dirs if place.is_host else (),
+                              kvcached=scope.kvcached_names, dev=place.dev)
+    if not place.is_host:
+        found.candidates = [c._replace(place=place) for c in found.candidates]
+    ev = gather_engine_evidence(facts, found.candidates, is_root=scope.policy.is_root, proc_root=scope.proc_root)
+    if not place.is_host:
+        # A PID in a name is its creator's in the place's own PID namespace: the place's viewers say who has it.
+        named = {c.creator_pid for c in found.candidates
+                 if c.family.evidence is Evidence.CREATOR and c.creator_pid is not None}
+        ev = for_place(ev, place, creators(facts, scope.places, named, only=place))
+    return decide_engines(place.layout(scope.layout), found, ev, facts, scope.policy, scope.now,
+                          kinds=scope.engine_kinds, errors=facts.errors if place.is_host else ())
+
+
+def plan_place(place: Place, scope: Scope, host_plan: Plan | None = None) -> PlacePlan:
+    """One place's plans, as the scope asks for them; no side effects.
+
+    `host_plan`: the host's kvcached plan the caller made from the same facts
+    (gc's, which also finds orphans), used as it is for the host.
+    """
+    if place.is_host:
+        plan = host_plan  # gc's: judged even when --kind leaves it nothing to act on (an empty part)
+    else:
+        plan = _plan_kvcached(place, scope) if scope.kvcached else None
+    return PlacePlan(place, plan, _plan_engines(place, scope) if scope.engines else None)
 
 
 def plan_places(layout: Layout, policy: Policy, facts: Facts, *, kvcached: bool = True, engines: bool = False,
                 engine_kinds: Iterable[EngineKind] = (), rpc_dirs: Sequence[str] = (), kubelet_dir: str | None = None,
                 host_plan: Plan | None = None, now: float | None = None, proc_root: str = "/proc",
-                names: Sequence[str] = (), kinds: Iterable[Any] = ()) -> PlacesPlan:
+                names: Sequence[str] = (), kinds: Iterable[Kind] = ()) -> PlacesPlan:
     """Find every place (discover) and plan each, host first; no side effects.
 
     `host_plan`: the host's kvcached plan the caller already made from the
-    same facts (gc's, which also finds orphans), used as it is. `names`
-    (exact names or globs) and `kinds` filter kvcached's entries as gc's do.
+    same facts (gc's, which also finds orphans), used as it is; without one
+    the host's is made here. `names` (exact names or globs) and `kinds`
+    filter kvcached's entries as gc's do.
     """
-    t = time.time() if now is None else now
-    places = discover(facts, layout, kubelet_dir=kubelet_dir)
-    out = PlacesPlan(places, [PlacePlan(pl) for pl in places.all()], list(places.errors))
-    every = _kvcached_names(layout, places, facts)
-    if kvcached:
-        exact = [n for n in names if not any(ch in n for ch in "*?[")]
-        # A segment's name is tied to kvcached by a socket directory that may sit in another place (a
-        # container's /tmp and /dev/shm are two filesystems): every place's names count in every place.
-        extra = sorted(every | set(exact))
-        kinds = tuple(kinds)
-        for pp in out.plans:
-            pp.plan = host_plan if (pp.place.is_host and host_plan is not None) else \
-                _plan_kvcached(pp.place, layout, places, facts, policy, extra, t, list(names), kinds)
-    if engines:
-        _plan_engines(out.plans, layout, places, facts, policy, engine_kinds, rpc_dirs, every, t, proc_root)
-    return out
+    scope = scope_of(layout, policy, facts, kubelet_dir=kubelet_dir, now=now, kvcached=kvcached, engines=engines,
+                     names=tuple(names), kinds=tuple(kinds), engine_kinds=tuple(engine_kinds),
+                     rpc_dirs=tuple(rpc_dirs), proc_root=proc_root)
+    if kvcached and host_plan is None:
+        host_plan = host_kvcached_plan(scope, sorted(scope.kvcached_names))
+    return PlacesPlan(scope.places, [plan_place(pl, scope, host_plan) for pl in scope.places.all()],
+                      list(scope.places.errors))
+
+
+def host_kvcached_plan(scope: Scope, extra: Sequence[str] = ()) -> Plan:
+    """The host's kvcached plan in a scope: gc's own (NAMEs as exact names and globs, `extra` names besides)."""
+    from ..clean.cleanup import plan
+
+    exact = [n for n in scope.names if not any(ch in n for ch in "*?[")]
+    return plan(scope.layout, scope.policy, facts=scope.facts, names=exact + list(extra), globs=list(scope.names),
+                kinds=scope.kinds, now=scope.now, proc_root=scope.proc_root)
 
 
 def _same_directory(place: Place) -> str | None:
@@ -196,83 +235,25 @@ def _same_directory(place: Place) -> str | None:
     return None
 
 
-def _kept(p: Any, why: str) -> Any:
+def _kept(p: SourcePlan, why: str) -> SourcePlan:
     """The plan with nothing stale left to act on: its place moved since the judgement (unknown: kept)."""
-    from ..clean.decide import Reason
-    from ..clean.leftovers.decide import EngineReason
-    from ..clean.report import Source
+    from ..clean.report import Decision
+    from ..clean.rules import SharedReason
 
-    untested = Reason.NOT_TESTED if p.source is Source.KVCACHED else EngineReason.NOT_TESTED
-    decisions = {k: Decision(State.UNKNOWN, untested, f"{d.detail}; {why}", d.pids) if d.state is State.STALE
-                 else d for k, d in p.decisions.items()}
+    decisions = {k: Decision(State.UNKNOWN, SharedReason.NOT_TESTED, f"{d.detail}; {why}", d.pids)
+                 if d.state is State.STALE else d for k, d in p.decisions.items()}
     return replace(p, decisions=decisions, errors=p.errors + [why])
 
 
-def execute_places(pp: PlacesPlan, *, dry_run: bool, deadline: Callable[[], float | None] = lambda: None,
-                   progress: Callable[[Any], None] | None = None, skip_host: bool = False) -> list[PlaceResult]:
-    """Act on every place's stale entries, each inside its place; `skip_host`: the caller acts on the host's."""
+def act_place(pp: PlacePlan, *, dry_run: bool, time_limit: float | None = None,
+              progress: Callable[[Entry[Any]], None] | None = None) -> Report | None:
+    """Act on one place's stale entries, inside that place alone; None when nothing was asked there."""
     from ..clean.cleanup import execute
 
-    out = []
-    for plan in pp.plans:
-        if skip_host and plan.place.is_host:
-            continue
-        res = PlaceResult(plan.place)
-        sources = plan.sources()
-        if sources:
-            moved = _same_directory(plan.place)
-            if moved is not None:
-                sources = [_kept(x, moved) for x in sources]
-            res.report = execute(*sources, dry_run=dry_run, time_limit=deadline(), progress=progress)
-        out.append(res)
-    return out
-
-
-def would_remove(results: Iterable[PlaceResult]) -> int:
-    """How many entries of these places a run removed or would remove."""
-    return sum(r.report.count(action=Action.REMOVED) + r.report.count(action=Action.WOULD_REMOVE)
-               for r in results if r.report is not None)
-
-
-@dataclass
-class PlaceView:
-    """One place as inspect -A shows it: its deployments (a NodeView of its own plan) and its engine leftovers."""
-
-    place: Place
-    view: Any = None                      # view.NodeView, or None when kvcached's state was not asked for
-    engines: list[Entry[Any]] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-    def stale_bytes(self) -> int:
-        """What the dead engine leftovers here hold."""
-        return sum(e.bytes for e in self.engines if e.state is State.STALE)
-
-    def to_dict(self) -> dict[str, Any]:
-        stale = sum(e.state is State.STALE for e in self.engines)
-        deployments = self.view.deployments if self.view is not None else []
-        if self.view is not None:
-            stale += sum(e.state is State.STALE for d in deployments for e in d.entries)
-        return {**self.place.to_dict(), "label": self.place.label, "errors": list(self.errors),
-                "deployments": len(deployments), "entries": len(self.engines)
-                + sum(len(d.entries) for d in deployments), "stale_entries": stale, "stale_bytes": self.stale_bytes()}
-
-
-def view_places(pp: PlacesPlan, host_view: Any, build_view: Callable[[Plan], Any]) -> list[PlaceView]:
-    """inspect -A: every place's view, host first (`host_view`: the host's NodeView; `build_view`: how the
-    caller groups a plan into deployments, ops.view's, which sits a room above this one)."""
-    from ..clean.report import preview
-
-    out = []
-    for plan in pp.plans:
-        if plan.place.is_host:
-            view = host_view
-        else:
-            view = build_view(plan.plan) if plan.plan is not None else None
-        errors = list(plan.place.errors)
-        for part in plan.sources():
-            if not plan.place.is_host:
-                errors += [e for e in part.errors if e not in errors]
-        if plan.place.is_host:
-            errors += [e for e in pp.errors if e not in errors]
-        out.append(PlaceView(plan.place, view, preview(plan.engines) if plan.engines is not None else [], errors))
-    return out
+    sources = pp.sources()
+    if not sources:
+        return None
+    moved = _same_directory(pp.place)
+    if moved is not None:
+        sources = [_kept(x, moved) for x in sources]
+    return execute(*sources, dry_run=dry_run, time_limit=time_limit, progress=progress)

@@ -20,6 +20,8 @@ import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 
+from ..base.ident import open_if_same
+
 LEASE_OFFSET = 1 << 40
 LEASE_LEN = 1
 
@@ -88,11 +90,21 @@ def ofd_conflict(fd: int) -> bool:
     return _TYPE.unpack_from(res)[0] != fcntl.F_UNLCK  # l_type, the struct's first field
 
 
-def segment_lease_held(path: str) -> bool | None:
-    """Whether any process holds the segment's lease; None when the file cannot be opened to test."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
+def segment_lease_held(path: str, *, dir_fd: int | None = None,
+                       ident: tuple[int, int] | None = None) -> bool | None:
+    """Whether any process holds the segment's lease; None when the file cannot be opened to test.
+
+    With `dir_fd` and `ident` (a scan's), `path` is a name in that directory, tested only while it is still
+    the file the scan saw.
+    """
+    if dir_fd is not None and ident is not None:
+        fd = open_if_same(path, dir_fd, ident)
+    else:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            fd = None
+    if fd is None:
         return None
     try:
         return ofd_conflict(fd)

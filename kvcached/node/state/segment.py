@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..base.errors import NotASegment, SegmentBusy, SegmentMissing
+from ..base.ident import open_if_same
+from ..base.layout import SEGMENT_SIZE
 
-SEGMENT_SIZE = 24
 # Our runtime marks the segments it creates, so that one with an explicit name
 # is still recognisable once its socket directory and processes are gone (the
 # name alone says nothing: any file in /dev/shm could carry it). Upstream's
@@ -166,14 +167,10 @@ def peek_limit(name: str, dir_fd: int, st: os.stat_result) -> int | None:
     Only to recognise a segment by its shape: a torn read of a value being
     rewritten costs nothing here, and a lock could make a scan wait.
     """
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
+    fd = open_if_same(name, dir_fd, (st.st_dev, st.st_ino), regular=True)
+    if fd is None:
         return None
     try:
-        now = os.fstat(fd)
-        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(now.st_mode):
-            return None
         data = os.pread(fd, 8, 0)
     except OSError:
         return None

@@ -36,10 +36,12 @@ Modules, in the order a run uses them:
   another user's), live (mapped, held, creator alive, listening, bound),
   unknown (an incomplete view, a blind spot, a failed bind test), young
   (inside the grace age), stale (unused, creator gone, PID reused, not
-  listening). `settle_groups` lets a live member of a multi-file region keep
-  the others.
-- `act`: `plan_engines` (scan, facts, evidence, decisions, filters: no side
-  effect), an `EnginePlan`: a report.SourcePlan like kvcached's own, so
+  listening); what it shares with kvcached's decision (the foreign checks,
+  the socket decision, the grace age) is clean/rules.py's. `settle_groups`
+  lets a live member of a multi-file region keep the others (rules.raise_groups).
+- `act`: `plan_engines` (scan, facts, evidence, then `decide_engines`:
+  decisions, regions, filters; no side effect), an `EnginePlan`: a
+  cleanup.SourcePlan like kvcached's own, so
   cleanup.execute acts on it with the one guarded act (the parent directory
   re-opened and its identity compared, the entry re-opened without following
   and its identity, file handle, owner and link count re-checked, an flock
@@ -51,41 +53,8 @@ Modules, in the order a run uses them:
 
 Plain gc (cleanup.plan) never calls into this package, so it costs what it
 cost before; the full maps pass runs only when engine state is asked for.
-A run that wants both passes one Facts to both plans: one /proc pass.
+A run that wants both passes one Facts to both plans: one /proc pass. The
+package imports none of its modules: each caller imports the module that
+holds what it needs (plain gc's hint, present.engine_leftover_count, loads
+the name patterns alone).
 """
-
-from __future__ import annotations
-
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .act import EnginePlan, plan_engines, rpc_dirs_from_env
-    from .decide import EngineReason, decide_engine, settle_groups
-    from .evidence import EngineEvidence, gather_engine_evidence
-    from .families import FAMILIES, Engine, EngineKind, Evidence, Family, match_name
-    from .scan import EngineCandidate, EngineScan, scan_engine_state
-
-# Each name's module, imported on first use: plain gc's hint (names.engine_leftover_count) imports the
-# name patterns alone, not the scan, evidence and act modules (a test holds _HOME and __all__ together).
-_HOME = {
-    "EnginePlan": "act", "plan_engines": "act", "rpc_dirs_from_env": "act",
-    "EngineReason": "decide", "decide_engine": "decide", "settle_groups": "decide",
-    "EngineEvidence": "evidence", "gather_engine_evidence": "evidence",
-    "FAMILIES": "families", "Engine": "families", "EngineKind": "families", "Evidence": "families",
-    "Family": "families", "match_name": "families",
-    "EngineCandidate": "scan", "EngineScan": "scan", "scan_engine_state": "scan",
-}
-
-__all__ = [
-    "FAMILIES", "Engine", "EngineCandidate", "EngineEvidence", "EngineKind", "EnginePlan", "EngineReason",
-    "EngineScan", "Evidence", "Family", "decide_engine", "gather_engine_evidence", "match_name", "plan_engines",
-    "rpc_dirs_from_env", "scan_engine_state", "settle_groups",
-]
-
-
-def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{home}"), name)

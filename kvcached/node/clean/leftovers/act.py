@@ -12,45 +12,28 @@ import fcntl
 import os
 import stat
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 from ...base.enums import Action
 from ...base.layout import Layout
-from ..cleanup import Actor
-from ..decide import Policy, State
+from ..cleanup import Actor, SourcePlan
 from ..facts import Facts, gather_facts
-from ..present import rpc_dirs
 from ..report import Decision, Source
+from ..rules import Policy, State
 from .decide import decide_engine, settle_groups
-from .evidence import gather_engine_evidence
+from .evidence import EngineEvidence, gather_engine_evidence
 from .families import EngineKind, Where
-from .scan import EngineCandidate, scan_engine_state
-
-ENV_RPC_BASE = "VLLM_RPC_BASE_PATH"
+from .scan import EngineCandidate, EngineScan, scan_engine_state
 
 
-def rpc_dirs_from_env(layout: Layout, environ: dict[str, str] | None = None) -> list[str]:
-    """vLLM's RPC directory from VLLM_RPC_BASE_PATH (as vLLM reads it), re-based under the layout's root."""
-    return list(rpc_dirs(layout.root, environ))
-
-
-@dataclass
-class EnginePlan:
+@dataclass(kw_only=True)
+class EnginePlan(SourcePlan):
     """Every engine entry a run found and decided, before acting."""
 
-    layout: Layout
-    facts: Facts
-    policy: Policy
-    now: float
+    source: ClassVar[Source] = Source.ENGINES
     candidates: list[EngineCandidate]
-    decisions: dict[str, Decision]
-    errors: list[str] = field(default_factory=list)
-    matched: int = 0  # entries found before the kind and name filters
-
-    @property
-    def source(self) -> Source:
-        return Source.ENGINES
 
     def entries(self) -> list[tuple[EngineCandidate, Decision]]:
         return [(c, self.decisions[c.path]) for c in self.candidates]
@@ -70,23 +53,31 @@ def plan_engines(layout: Layout, policy: Policy | None = None, *, facts: Facts |
     """Scan, gather evidence and decide every engine entry: no side effects.
 
     `facts` may be the ones a plain gc plan of the same run gathered (one
-    /proc pass for both). Every entry is decided and groups settled before
-    the `kinds` and `names` (exact file names) filters apply. `whole_view`:
-    see gather_engine_evidence (the caller vouches for a container's /proc).
+    /proc pass for both). `whole_view`: see gather_engine_evidence (the
+    caller vouches for a container's /proc). The decision and its filters
+    are decide_engines', which every place of kvctl -A goes through too.
     """
     policy = policy or Policy()
     facts = facts if facts is not None else gather_facts(proc_root)
     found = scan_engine_state(layout, facts, rpc_dirs)
     ev = gather_engine_evidence(facts, found.candidates, is_root=policy.is_root, proc_root=proc_root,
                                 whole_view=whole_view)
-    t = time.time() if now is None else now
-    decisions = {c.path: decide_engine(c, ev, policy, t) for c in found.candidates}
+    return decide_engines(layout, found, ev, facts, policy, time.time() if now is None else now, kinds=kinds,
+                          names=names, errors=facts.errors)
+
+
+def decide_engines(layout: Layout, found: EngineScan, ev: EngineEvidence, facts: Facts, policy: Policy, now: float,
+                   *, kinds: Iterable[EngineKind] = (), names: Iterable[str] = (),
+                   errors: Sequence[str] = ()) -> EnginePlan:
+    """The plan of what one scan found: every entry decided and its regions settled, then the `kinds` and
+    `names` (exact file names) filters; `errors`: what else the plan reports (the /proc pass's, once)."""
+    decisions = {c.path: decide_engine(c, ev, policy, now) for c in found.candidates}
     settle_groups(found.candidates, decisions)
     kind_set, name_set = set(kinds), set(names)
     chosen = [c for c in found.candidates
               if (not kind_set or c.kind in kind_set) and (not name_set or c.name in name_set)]
-    return EnginePlan(layout, facts, policy, t, chosen, decisions, found.errors + facts.errors,
-                      len(found.candidates))
+    return EnginePlan(layout=layout, facts=facts, policy=policy, now=now, candidates=chosen, decisions=decisions,
+                      errors=found.errors + list(errors), matched=len(found.candidates))
 
 
 def _act(actor: Actor, c: EngineCandidate, d: Decision) -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ...base.enums import StrEnum
-from ...state.sockdiag import Bind
-from ..decide import Policy, State
+from ...base.enums import State, StrEnum
+from .. import rules
 from ..facts import START_SLACK
 from ..report import Decision
+from ..rules import GroupRule, Policy, SharedReason, raise_groups
 from ..scan import FileType
 from .evidence import EngineEvidence
 from .families import Evidence, Where
@@ -22,85 +22,44 @@ from .scan import EngineCandidate
 
 
 class EngineReason(StrEnum):
+    """The engines' own reasons (their entries' `reason`, with rules.SharedReason's): what only their evidence finds."""
+
     # live
     MAPPED = "mapped"
-    HELD_OPEN = "held_open"
     CREATOR_ALIVE = "creator_alive"
-    LISTENING = "listening"
-    BOUND = "bound"
     GROUP_LIVE = "group_live"
-    # foreign
-    SYMLINK = "symlink"
-    WRONG_TYPE = "wrong_type"
-    HARD_LINKED = "hard_linked"
-    MOUNT_POINT = "mount_point"
-    OTHER_USER = "other_user"
     # unknown
     VIEW_INCOMPLETE = "view_incomplete"
-    PROC_INCOMPLETE = "proc_incomplete"
     HIDDEN_PROCESSES = "hidden_processes"
-    BIND_DENIED = "bind_test_denied"
-    BIND_ERROR = "bind_test_failed"
-    NOT_TESTED = "not_tested"
     GROUP_UNKNOWN = "group_unknown"
     # young
-    YOUNG = "younger_than_grace"
     GROUP_YOUNG = "group_young"
     # stale
     UNUSED = "unused"
     CREATOR_GONE = "creator_gone"
     PID_REUSED = "pid_reused"
-    NOT_LISTENING = "not_listening"
 
 
-def _d(state: State, reason: EngineReason, detail: str, pids: Iterable[int] = ()) -> Decision:
-    return Decision(state, reason, detail, tuple(sorted(set(pids))))
+# Every reason an engine entry can carry, shared ones first (kvctl/schemas/engine_entry.json lists them so).
+REASONS: tuple[StrEnum, ...] = (*SharedReason, *EngineReason)
 
 
-_SYMLINK = _d(State.FOREIGN, EngineReason.SYMLINK, "a symbolic link; never followed")
-_MOUNT_POINT = _d(State.FOREIGN, EngineReason.MOUNT_POINT, "a mount point; never crossed")
-_BOUND = _d(State.LIVE, EngineReason.BOUND, "a socket is bound to this file (a listener, or one about to listen)")
-_NOT_TESTED = _d(State.UNKNOWN, EngineReason.NOT_TESTED, "no listing shows it and it was not tested")
-_NOT_LISTENING = _d(State.STALE, EngineReason.NOT_LISTENING, "no socket is bound to it (connect refused)")
+def _d(state: State, reason: StrEnum, detail: str, pids: Iterable[int] = ()) -> Decision:
+    # A process both maps and holds a buffer: it is named once.
+    return rules.decision(state, reason, detail, set(pids))
+
+
 _UNUSED = _d(State.STALE, EngineReason.UNUSED, "no process maps it or holds it open, and every one could be read")
 
 
 def _foreign(c: EngineCandidate, policy: Policy) -> Decision | None:
-    if c.ftype is FileType.SYMLINK:
-        return _SYMLINK
     expected = FileType.SOCKET if c.family.where is Where.RPC else FileType.REGULAR
-    if c.ftype is not expected:
-        return _d(State.FOREIGN, EngineReason.WRONG_TYPE, f"a {c.ftype} where a {expected} belongs")
-    if c.ftype is FileType.REGULAR and c.nlink != 1:
-        return _d(State.FOREIGN, EngineReason.HARD_LINKED, f"{c.nlink} hard links: may be another file's name")
+    found = rules.wrong_type(c, expected) or rules.hard_linked(c)
+    if found is not None:
+        return found
     if c.cross_mount:
-        return _MOUNT_POINT
-    if c.uid != policy.effective_uid and not policy.is_root:
-        return _d(State.FOREIGN, EngineReason.OTHER_USER,
-                  f"owned by uid {c.uid}, we are uid {policy.effective_uid}")
-    return None
-
-
-def _young(c: EngineCandidate, policy: Policy, now: float) -> Decision | None:
-    age = now - c.mtime
-    if age < policy.grace:
-        return _d(State.YOUNG, EngineReason.YOUNG, f"changed {age:.0f}s ago, grace is {policy.grace:.0f}s")
-    return None
-
-
-def _socket(c: EngineCandidate, ev: EngineEvidence, policy: Policy, now: float) -> Decision:
-    # Passive only: sock_diag's listing by file identity, else the datagram bind test. A stream
-    # connect would be a connection a listener sees.
-    if c.ident in ev.listeners:
-        return _d(State.LIVE, EngineReason.LISTENING, "a listener is bound to this file", ev.listeners[c.ident])
-    if c.bind is Bind.BOUND:
-        return _BOUND
-    if c.bind is None:
-        return _NOT_TESTED
-    if c.bind is not Bind.UNBOUND:
-        reason = EngineReason.BIND_DENIED if c.bind is Bind.DENIED else EngineReason.BIND_ERROR
-        return _d(State.UNKNOWN, reason, f"could not test whether a socket is bound to it ({c.bind_errno})")
-    return _young(c, policy, now) or _NOT_LISTENING
+        return rules.MOUNT_POINT
+    return rules.other_user(c, policy)
 
 
 def _creator(c: EngineCandidate, ev: EngineEvidence) -> tuple[Decision | None, bool]:
@@ -125,13 +84,13 @@ def decide_engine(c: EngineCandidate, ev: EngineEvidence, policy: Policy, now: f
         return foreign
     evidence = c.family.evidence
     if evidence is Evidence.BINDING:
-        return _socket(c, ev, policy, now)
+        return rules.socket(c, ev.listeners.get(c.ident), policy, now)
     mappers, holders = ev.users(c)
     if mappers:
         how = "mapped" + (", and held open" if holders else "")
         return _d(State.LIVE, EngineReason.MAPPED, how, (*mappers, *holders))
     if holders:
-        return _d(State.LIVE, EngineReason.HELD_OPEN, "held open", holders)
+        return _d(State.LIVE, SharedReason.HELD_OPEN, "held open", holders)
     reused = False
     if evidence is Evidence.CREATOR:
         alive, reused = _creator(c, ev)
@@ -144,9 +103,9 @@ def decide_engine(c: EngineCandidate, ev: EngineEvidence, policy: Policy, now: f
                   "/proc hides other users' processes (hidepid), and its mode lets them open it")
     blind = ev.blind_for(c)
     if blind:
-        return _d(State.UNKNOWN, EngineReason.PROC_INCOMPLETE,
+        return _d(State.UNKNOWN, SharedReason.PROC_INCOMPLETE,
                   "processes that could map or hold it could not be fully read", blind)
-    young = _young(c, policy, now)
+    young = rules.young(c, policy, now)
     if young is not None:
         return young
     if evidence is Evidence.CREATOR and c.creator_pid is not None:
@@ -159,28 +118,25 @@ def decide_engine(c: EngineCandidate, ev: EngineEvidence, policy: Policy, now: f
     return _UNUSED
 
 
-_KEEP_RANK = {State.STALE: 0, State.YOUNG: 1, State.UNKNOWN: 2, State.LIVE: 3}
-_GROUP_REASON = {State.LIVE: EngineReason.GROUP_LIVE, State.UNKNOWN: EngineReason.GROUP_UNKNOWN,
-                 State.YOUNG: EngineReason.GROUP_YOUNG}
+# A region made of several files (vLLM's offload segments) is kept as strongly as its most strongly kept
+# file: only its stale members are raised.
+_REGION = GroupRule[EngineCandidate](
+    reasons={State.LIVE: EngineReason.GROUP_LIVE, State.UNKNOWN: EngineReason.GROUP_UNKNOWN,
+             State.YOUNG: EngineReason.GROUP_YOUNG},
+    detail=lambda best, ev: f"{best.name} of the same region is {ev.state} ({ev.reason}: {ev.detail})",
+    counts=lambda d: True,
+    raises=lambda m, d, rank: d.state is State.STALE,
+)
 
 
 def settle_groups(candidates: Sequence[EngineCandidate], decisions: dict[str, Decision]) -> None:
     """A region made of several files (vLLM's offload segments) is kept as strongly as its most strongly kept file.
 
-    Only stale members are raised; foreign members are no evidence. Decisions are replaced in place.
+    Only stale members are raised; foreign members are no evidence. Decisions are replaced in place
+    (rules.raise_groups, the same mechanism as kvcached's deployments).
     """
     groups: dict[str, list[EngineCandidate]] = {}
     for c in candidates:
         if c.group is not None:
             groups.setdefault(f"{c.parent}\0{c.group}", []).append(c)
-    for members in groups.values():
-        best = max(members, key=lambda m: _KEEP_RANK.get(decisions[m.path].state, -1))
-        ev = decisions[best.path]
-        rank = _KEEP_RANK.get(ev.state, -1)
-        if rank <= 0:
-            continue
-        raised = _d(ev.state, _GROUP_REASON[ev.state], f"{best.name} of the same region is {ev.state} "
-                    f"({ev.reason}: {ev.detail})", ev.pids)
-        for m in members:
-            if decisions[m.path].state is State.STALE:
-                decisions[m.path] = raised
+    raise_groups(groups.values(), decisions, _REGION)

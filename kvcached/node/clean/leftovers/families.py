@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import cached_property
 from typing import NamedTuple
 
 from ...base.enums import Engine, EngineKind, StrEnum
-from ..report import Origin, Source
+
+# Nothing of the pipeline is imported here: report.Origin names a Family (its entries' `origin`, one per family,
+# is leftovers/scan.py's).
 
 
 class Where(StrEnum):
@@ -40,11 +41,6 @@ class Family:
     evidence: Evidence
     pattern: re.Pattern[str]
     what: str  # who makes these names, for reports and docs/KVCTL.md §13
-
-    @cached_property
-    def origin(self) -> Origin:
-        """Its entries' origin (one per family, not one per entry)."""
-        return Origin(Source.ENGINES, self)
 
 
 class Match(NamedTuple):

@@ -12,7 +12,7 @@ import os
 import stat
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ...base import name_rules
 from ...base.ident import file_handle
@@ -20,9 +20,15 @@ from ...base.layout import Layout
 from ...state.segment import SEGMENT_SIZE, has_mark, peek_limit
 from ...state.sockdiag import Bind, bound
 from ..facts import Facts
-from ..report import Origin
+from ..report import Origin, Source
 from ..scan import FileType, file_type
-from .families import Engine, EngineKind, Evidence, Family, Where, match_name
+from .families import FAMILIES, Engine, EngineKind, Evidence, Family, Where, match_name
+
+if TYPE_CHECKING:
+    from ...base.place import Place
+
+# Each family's entries' origin: one per family, not one per entry.
+_ORIGIN: dict[Family, Origin] = {f: Origin(Source.ENGINES, f) for f in FAMILIES}
 
 
 class EngineCandidate(NamedTuple):
@@ -48,7 +54,7 @@ class EngineCandidate(NamedTuple):
     group: str | None = None
     bind: Bind | None = None   # the bind test of a socket node (None: not tested)
     bind_errno: str | None = None
-    place: Any = None          # kvctl -A: the place it is in (places/discover.Place); None: the node's own
+    place: Place | None = None  # kvctl -A: the place it is in; None: this node's own /tmp and /dev/shm
 
     @property
     def kind(self) -> EngineKind:
@@ -57,7 +63,8 @@ class EngineCandidate(NamedTuple):
     @property
     def origin(self) -> Origin:
         """Where it came from: the engine family whose name it carries (and, with -A, its place)."""
-        return self.family.origin if self.place is None else self.family.origin._replace(place=self.place)
+        origin = _ORIGIN[self.family]
+        return origin if self.place is None else origin._replace(place=self.place)
 
     @property
     def engine(self) -> Engine:
