@@ -160,7 +160,9 @@ def _run_line(result: Any, code: int) -> tuple[str, str]:
         line += f"; {places_summary_line(result)}"
     blind = _blind_line(result)
     line += f"; {blind}" if blind else ""
-    level = "error" if code in (Exit.ERROR, Exit.PARTIAL_FAILURE) else "warning" if code or blind else "info"
+    line += f"; metrics not written: {result.metrics_error}" if result.metrics_error else ""
+    level = "error" if code in (Exit.ERROR, Exit.PARTIAL_FAILURE, Exit.METRICS_UNWRITTEN) \
+        else "warning" if code or blind else "info"
     return f"{line} (exit {code})", level
 
 
@@ -170,7 +172,7 @@ def _one_run(opts: Any, run: Globals, json_out: bool) -> int:
 
     try:
         result = run_gc(opts)
-    except KvcachedError as e:  # the lock busy, a metrics file that cannot be written, NAMEs matching nothing
+    except KvcachedError as e:  # the lock busy, a metrics target that is no regular file, NAMEs matching nothing
         code = CATEGORY_EXIT[e.category]
         if json_out:
             emit_json(error_document(code, str(e)), one_line=True)
@@ -178,7 +180,7 @@ def _one_run(opts: Any, run: Globals, json_out: bool) -> int:
             log_line(f"kvctl gc: {e}; nothing done this run (exit {int(code)})",
                      "warning" if code in (Exit.LOCK_BUSY, Exit.NOT_FOUND) else "error")
         return int(code)
-    code = exit_of(result.outcome)
+    code = exit_of(result.outcome, result.metrics_error)
     if json_out:
         emit_json(gc_document(run.root, result, code), one_line=True)
     else:
@@ -413,11 +415,11 @@ def gc(
                      kinds=tuple(k for k in chosen if isinstance(k, Kind)), dry_run=dry_run, yes=yes,
                      time_limit=time_limit or None, kill_orphans=kill_orphans, prometheus=prometheus,
                      engines=engines, engine_kinds=tuple(k for k in chosen if isinstance(k, EngineKind)),
-                     all_places=all_places, kubelet_dir=kubelet_dir)
+                     all_places=all_places, kubelet_dir=kubelet_dir, every=every)
     if every is not None:
         return _every(every, opts, run, json_out, loop)
     result = _run(opts, out, run, json_out)
-    code = exit_of(result.outcome)
+    code = exit_of(result.outcome, result.metrics_error)
     if kill_orphans and not dry_run and not yes and not result.killed and result.killable:
         note("orphans not terminated: confirm on a terminal or pass --yes")
     if result.declined:
@@ -429,4 +431,7 @@ def gc(
     if not out.terminal and not result.dry_run:
         _log(result)  # cron sends stdout to /dev/null: problems and the summary go to stderr
     _closing_lines(out, run, result, min_age, json_out=json_out, names=names)
+    if result.metrics_error is not None:  # last: after the report, which stands whatever the metrics did
+        log_line(f"kvctl gc: metrics not written (exit {int(code)}; the report above stands): "
+                 f"{result.metrics_error}", "error")
     return code

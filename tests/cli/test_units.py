@@ -101,6 +101,7 @@ def test_exit_codes_are_the_documented_numbers() -> None:
         "NOT_FOUND": 6,
         "REFUSED": 7,
         "UNHEALTHY": 8,
+        "METRICS_UNWRITTEN": 9,
         "INTERRUPTED": 130,
     }
 
