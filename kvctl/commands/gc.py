@@ -316,20 +316,38 @@ def _declined(run: Globals, opts: Any, result: Any, min_age: float) -> None:
     again = ("gc -A" if opts.all_places else "gc") + (" --engines --yes" if opts.engine_pass else " --yes")
     stale = len(result.report.stale_remaining) + sum(len(r.report.stale_remaining) for r in result.places or ()
                                                      if r.report is not None)
-    note(f"nothing removed: {stale} stale entr{'y' if stale == 1 else 'ies'} remain; "
+    note(f"nothing removed: {stale} stale entr{'y remains' if stale == 1 else 'ies remain'}; "
          f"re-run with --yes to remove them ({run.hinter(min_age)(again)})")
 
 
 def _show(out: Out, run: Globals, result: Any) -> None:
-    """gc's report on stdout: a row per deployment (or engine) on a terminal (every entry with -v), else per entry."""
+    """gc's report on stdout: a row per deployment (or engine) on a terminal (every entry with -v), else per entry.
+
+    Off a terminal a run that acted also logs each summary on stderr (_log), which cron keeps while stdout goes
+    to /dev/null; where stdout and stderr are one file (a journal, `2>&1`, a pod's log) the report leaves its
+    summaries to those log lines, so that each is read once.
+    """
+    summary = out.terminal or result.dry_run or not _one_destination()
     if result.places is not None:
         from ..render_places import render_places_report
 
-        render_places_report(out, result, verbose=run.verbose > 0, terminal=out.terminal)
+        render_places_report(out, result, verbose=run.verbose > 0, terminal=out.terminal, summary=summary)
         return
     from ..render_sources import render_run
 
-    render_run(out, result.report, verbose=run.verbose > 0, grouped=out.terminal)
+    render_run(out, result.report, verbose=run.verbose > 0, grouped=out.terminal, summary=summary)
+
+
+def _one_destination() -> bool:
+    """Whether stdout and stderr are the same open file (by identity: `2>&1`, systemd's journal stream)."""
+    import os
+    import sys
+
+    try:
+        a, b = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):  # not real files (a test's capture): two destinations
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _log(result: Any) -> None:

@@ -14,7 +14,7 @@ from functools import cached_property
 
 from ..base.enums import State, StrEnum
 from ..base.name_rules import default_name_pgid
-from ..base.units import entries
+from ..base.units import entries, format_age
 from ..state.sockdiag import Bind
 from .facts import START_SLACK, Facts
 from .report import Decision
@@ -199,7 +199,7 @@ def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
             return _d(State.UNKNOWN, reason, f"could not test whether a socket is bound to it ({c.bind_errno})")
         age = now - c.mtime
         if age < policy.grace:
-            return _d(State.YOUNG, Reason.YOUNG, f"changed {age:.0f}s ago, grace is {policy.grace:.0f}s")
+            return _d(State.YOUNG, Reason.YOUNG, f"changed {format_age(age)} ago, grace is {format_age(policy.grace)}")
         return _NOT_LISTENING
     if kind is Kind.SEGMENT:
         holders = [p.pid for p in facts.holders_of_file(c.ident)]
@@ -233,7 +233,7 @@ def decide(c: Candidate, facts: Facts, policy: Policy, now: float,
 
     age = now - c.mtime
     if age < policy.grace:
-        return _d(State.YOUNG, Reason.YOUNG, f"changed {age:.0f}s ago, grace is {policy.grace:.0f}s")
+        return _d(State.YOUNG, Reason.YOUNG, f"changed {format_age(age)} ago, grace is {format_age(policy.grace)}")
     if kind is Kind.SEGMENT:
         if c.by_shape:
             return _UNNAMED

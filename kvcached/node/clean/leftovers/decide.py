@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ...base.enums import StrEnum
+from ...base.units import format_age
 from ...state.sockdiag import Bind
 from ..decide import Policy, State
 from ..facts import START_SLACK
@@ -84,7 +85,8 @@ def _foreign(c: EngineCandidate, policy: Policy) -> Decision | None:
 def _young(c: EngineCandidate, policy: Policy, now: float) -> Decision | None:
     age = now - c.mtime
     if age < policy.grace:
-        return _d(State.YOUNG, EngineReason.YOUNG, f"changed {age:.0f}s ago, grace is {policy.grace:.0f}s")
+        return _d(State.YOUNG, EngineReason.YOUNG,
+                  f"changed {format_age(age)} ago, grace is {format_age(policy.grace)}")
     return None
 
 
