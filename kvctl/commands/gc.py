@@ -205,23 +205,6 @@ def _loop_opts(every: float | None, max_age: float | None, loop: LoopOpts) -> Lo
     return loop
 
 
-def _after_each_run(heartbeat: str | None) -> Any:
-    """--every's heartbeat after each run: written, or the failure said and the loop goes on (the probe decides)."""
-    if heartbeat is None:
-        return None
-    from kvcached.node import HeartbeatError, Recorder
-
-    recorder = Recorder(heartbeat)
-
-    def after(code: int) -> None:
-        try:
-            recorder.record(code)
-        except HeartbeatError as e:
-            log_line(f"kvctl gc: {e}", "error")
-
-    return after
-
-
 def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts) -> int:
     """gc --every: refuse what could never act, then one run after another until SIGTERM or SIGINT."""
     from contextlib import ExitStack
@@ -230,7 +213,7 @@ def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts
     from kvcached import settings
     from kvcached.node import check_options
 
-    from ..gcloop import Stop, run_every
+    from ..gcloop import Stop, heartbeat_after, run_every
 
     floor = settings.KVCTL_EVERY_MIN_S.get()
     if every < floor:
@@ -253,7 +236,7 @@ def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts
             log_line(f"kvctl gc: serving the last run's metrics on http://{host}:{port}/metrics", "info")
             opts = replace(opts, metrics_sink=server)
         stop = stack.enter_context(Stop())
-        return run_every(every, lambda: _one_run(opts, run, json_out), stop, after=_after_each_run(loop.heartbeat))
+        return run_every(every, lambda: _one_run(opts, run, json_out), stop, after=heartbeat_after(loop.heartbeat))
 
 
 def _check_heartbeat(ctx: typer.Context, path: str, max_age: float | None) -> int:
