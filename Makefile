@@ -84,6 +84,20 @@ install-systemd: install-docs
 	install -d $(DESTDIR)/etc/systemd/system
 	install -m 644 contrib/systemd/kvctl-gc.service contrib/systemd/kvctl-gc.timer $(DESTDIR)/etc/systemd/system/
 
+# The agent's image (contrib/kubernetes/Containerfile): its version is pyproject.toml's, its labels' revision and
+# source git's. PLATFORM=linux/arm64 for Grace nodes (natively, or through QEMU's binfmt on x86_64);
+# BUILDER="podman build" for podman. contrib/kubernetes/README.md ("The image") says the rest.
+IMAGE_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+REVISION ?= $(shell git rev-parse HEAD 2>/dev/null)
+SOURCE ?= $(shell git config --get remote.origin.url 2>/dev/null)
+IMAGE ?= registry.example.com/kvcached/kvctl:$(IMAGE_VERSION)
+PLATFORM ?= linux/amd64
+BUILDER ?= docker buildx build
+image:
+	@test -n "$(SOURCE)" || { echo "make image: no git remote: give SOURCE=<the repository's URL>" >&2; exit 2; }
+	$(BUILDER) --platform $(PLATFORM) -f contrib/kubernetes/Containerfile --build-arg VERSION=$(IMAGE_VERSION) \
+	  --build-arg REVISION=$(REVISION) --build-arg SOURCE=$(SOURCE) -t $(IMAGE) .
+
 # Build outputs, and nothing else: the venv, setuptools' build tree and metadata, and the
 # compiled extension (kvcached/runtime/_kvpages*.so; every .so under kvcached/ is one, an
 # older build's kvcached/_kvpages*.so included). Tool caches (.pytest_cache, .mypy_cache,

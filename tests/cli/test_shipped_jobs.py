@@ -97,7 +97,7 @@ def test_the_sandbox_keeps_what_gc_needs() -> None:
 def test_every_directive_and_path_is_explained_in_the_reference() -> None:
     doc = KVCTL_MD.read_text()
     table = doc.split("**The systemd unit, hardened.**", 1)[1].split("\n\n**", 1)[0]
-    for key, value in _unit(SERVICE)["Service"]:
+    for key, _ in _unit(SERVICE)["Service"]:
         if key in ("Type", "ExecStart", "SuccessExitStatus"):
             continue
         assert f"`{key}=" in table, f"docs/KVCTL.md §11 does not explain {key}="
