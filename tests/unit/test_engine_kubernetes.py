@@ -97,6 +97,27 @@ def test_every_manifest_validates_against_kubernetes_1_34(path: Path) -> None:
             _validate_monitoring(doc)
 
 
+@pytest.mark.parametrize("name", ["kvctl-gc", "kvctl-inspect"])
+def test_apparmor_profile_needs_kubernetes_1_30_as_the_readme_says(name: str) -> None:
+    """The minimum version the README states is the schemas': 1.29's rejects the field, 1.30's takes it."""
+    (doc,) = [d for d in _all_docs() if d["kind"] in ("Pod", "DaemonSet") and d["metadata"]["name"] == name]
+    with pytest.raises(kubernetes_validate.ValidationError, match="appArmorProfile"):
+        kubernetes_validate.validate(doc, "1.29.0", strict=True)
+    kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    readme = " ".join((HERE / "README.md").read_text().split())
+    assert "The field needs **Kubernetes 1.30** or later" in readme
+    assert "container.apparmor.security.beta.kubernetes.io/kvctl: unconfined" in readme
+
+
+def test_the_agent_is_ready_once_its_endpoint_serves_a_run() -> None:
+    """readiness: /metrics on the agent's own port, which answers 503 until the first run has finished."""
+    (c,) = _daemonset()["containers"]
+    probe = c["readinessProbe"]["httpGet"]
+    (port,) = c["ports"]
+    assert probe == {"path": "/metrics", "port": port["name"]}
+    assert port["containerPort"] == int(_flag(c["command"], "--metrics-port"))
+
+
 def test_an_invalid_manifest_is_caught() -> None:
     """The validator is really checking: a field the schema lacks, and a wrong type, are errors."""
     doc = _docs(HERE / "kvctl-inspect-pod.yaml")[0]
