@@ -202,6 +202,8 @@ def test_the_install_steps_give_a_working_kvctl_in_a_fresh_venv(tmp_path) -> Non
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert not (venv / "bin/pip").exists(), "pip leaves the venv"
     assert not list(venv.rglob("setuptools/__init__.py")), "the build's tools leave it too"
+    (licence,) = [p for p in venv.rglob("kvcached-*.dist-info/**/LICENSE") if p.is_file()]
+    assert licence.read_text() == (REPO / "LICENSE").read_text(), "the image carries the licence"
     # The version check of the RUN line, against the venv it made: a wrong or missing VERSION fails the build.
     check = " && ".join(p for p in script.split(" && ") if p.startswith(("built=", "test ")))
     for bad, why in (({"VERSION": "9.9.9"}, ""), ({}, "build with --build-arg VERSION")):
