@@ -39,6 +39,8 @@ FACE: dict[str, tuple[str, str | None]] = {
     "Layout": ("base.layout", "Layout"),
     "dp_rank_name": ("base.name_rules", "dp_rank_name"),
     "ipc_name_from_env": ("base.name_rules", "ipc_name_from_env"),
+    "PUBLISHED_MEMFD": ("base.published", "PUBLISHED_MEMFD"),
+    "Published": ("base.published", "Published"),
     "BadValue": ("base.units", "BadValue"),
     "format_duration": ("base.units", "format_duration"),
     "format_size": ("base.units", "format_size"),
@@ -160,6 +162,12 @@ if TYPE_CHECKING:  # what mypy reads; at run time names load in __getattr__
     )
     from .base.name_rules import (
         ipc_name_from_env as ipc_name_from_env,
+    )
+    from .base.published import (
+        PUBLISHED_MEMFD as PUBLISHED_MEMFD,
+    )
+    from .base.published import (
+        Published as Published,
     )
     from .base.units import (
         BadValue as BadValue,
