@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ... import settings
 from ..base.published import LINK, MAX_BYTES, Published, RecordError
 from ..clean.roles import Role, RoleInfo, classify_process, tie_sglang_mains
+from .detectdoc import PatchStatus
 
 if TYPE_CHECKING:
     from ..clean.facts import Facts
@@ -36,7 +37,7 @@ SWITCH = "ENABLE_KVCACHED=true"
 _ALLOW_LISTS: dict[str, settings.Setting[str | None]] = {"vllm": settings.VLLM_PLUGINS,
                                                          "sglang": settings.SGLANG_PLUGINS}
 _SWITCHES: tuple[settings.Setting[bool], ...] = (settings.ENABLE_KVCACHED, settings.ENABLE, settings.ELASTIC)
-_STOOD_ASIDE = ("unknown_shape", "not_covered")  # patchkit.PatchStatus values that leave a serve uncovered
+_STOOD_ASIDE = frozenset({PatchStatus.UNKNOWN_SHAPE, PatchStatus.NOT_COVERED})  # leave a serve uncovered
 
 
 @dataclass(frozen=True)
@@ -227,13 +228,14 @@ def serve_lines(serves: Sequence[Serve], *, kvctl: str = "kvctl") -> list[ServeL
         out.append(_serve_line(s, name))
         for patch, how in s.stood_aside().items():
             for status, pids in how.items():
-                why = f"this {s.label}'s shape is not the one it knows" if status == "unknown_shape" else \
+                shape = status == PatchStatus.UNKNOWN_SHAPE
+                why = f"this {s.label}'s shape is not the one it knows" if shape else \
                     "not covered here (a backend or launcher kvcached leaves alone)"
+                fix = f"use a kvcached release that knows this {s.label}; meanwhile: {kvctl} gc --yes" if shape \
+                    else f"{kvctl} gc --yes cleans up after it"
                 out.append(ServeLine(f"{name}:{s.pid}-patch:{patch}", "warn",
                                      f"kvcached patch {patch} stands aside ({status}) in PID "
-                                     f"{', '.join(map(str, pids))} of {s.label} serve PID {s.pid}: {why}",
-                                     f"use a kvcached release that knows this {s.label}; meanwhile: {kvctl} gc "
-                                     "--yes" if status == "unknown_shape" else f"{kvctl} gc --yes cleans up after it",
+                                     f"{', '.join(map(str, pids))} of {s.label} serve PID {s.pid}: {why}", fix,
                                      under=name))
     return out
 
