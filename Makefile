@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: demo test test-fast lint bench completions clean
+.PHONY: demo test test-fast lint bench completions clean install-docs install-cron install-systemd image
 
 # The suite runs on PYTEST_WORKERS processes (pytest-xdist; 1: in pytest's own process, as plain pytest does).
 # Tests share a worker where they share a fixture (tests/conftest.py, docs/CONTRIBUTING.md "Tests").
@@ -68,6 +68,35 @@ bench: $(VENV)/.sglang
 
 completions: $(VENV)/.base
 	$(PY) scripts/gen_completions.py
+
+# A node's scheduled gc (docs/KVCTL.md §11), after `pip install .` put kvctl in /usr/local/bin: one of cron or
+# systemd, each with tmpfiles.d's exclusions and the documents the units' Documentation= names. DESTDIR: another root.
+DOCDIR := $(DESTDIR)/usr/local/share/doc/kvcached
+install-docs:
+	install -d $(DOCDIR)
+	install -m 644 README.md docs/KVCTL.md docs/RUNBOOK.md $(DOCDIR)/
+	install -D -m 644 contrib/tmpfiles.d/kvcached.conf $(DESTDIR)/etc/tmpfiles.d/kvcached.conf
+
+install-cron: install-docs
+	install -D -m 644 contrib/cron/kvctl-gc $(DESTDIR)/etc/cron.d/kvctl-gc
+
+install-systemd: install-docs
+	install -d $(DESTDIR)/etc/systemd/system
+	install -m 644 contrib/systemd/kvctl-gc.service contrib/systemd/kvctl-gc.timer $(DESTDIR)/etc/systemd/system/
+
+# The agent's image (contrib/kubernetes/Containerfile): its version is pyproject.toml's, its labels' revision and
+# source git's. PLATFORM=linux/arm64 for Grace nodes (natively, or through QEMU's binfmt on x86_64);
+# BUILDER="podman build" for podman. contrib/kubernetes/README.md ("The image") says the rest.
+IMAGE_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+REVISION ?= $(shell git rev-parse HEAD 2>/dev/null)
+SOURCE ?= $(shell git config --get remote.origin.url 2>/dev/null)
+IMAGE ?= registry.example.com/kvcached/kvctl:$(IMAGE_VERSION)
+PLATFORM ?= linux/amd64
+BUILDER ?= docker buildx build
+image:
+	@test -n "$(SOURCE)" || { echo "make image: no git remote: give SOURCE=<the repository's URL>" >&2; exit 2; }
+	$(BUILDER) --platform $(PLATFORM) -f contrib/kubernetes/Containerfile --build-arg VERSION=$(IMAGE_VERSION) \
+	  --build-arg REVISION=$(REVISION) --build-arg SOURCE=$(SOURCE) -t $(IMAGE) .
 
 # Build outputs, and nothing else: the venv, setuptools' build tree and metadata, and the
 # compiled extension (kvcached/runtime/_kvpages*.so; every .so under kvcached/ is one, an

@@ -23,6 +23,8 @@ another's measurement.
                        of (paired runs; target: adds ≤ 10 %)
 8. bench_places.py     gc -A --engines' pass over 50 pod volumes x 200 files vs the host pass over the
                        same 10,000 files in one directory (root only: tmpfs mounts)
+9. bench_agent.py      the DaemonSet's command on a node of 1,000 processes and 50 pod volumes: peak RSS
+                       and CPU per run, the figures its requests and limits come from (root only)
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = [["bench_cli_start.py"], ["bench_gc.py"], ["bench_pages.py"], ["bench_elastic.py"], ["bench_sglang.py"],
-           ["bench_engines.py"], ["bench_gpu_holders.py"], ["bench_places.py"]]
+           ["bench_engines.py"], ["bench_gpu_holders.py"], ["bench_places.py"], ["bench_agent.py"]]
 
 
 def main() -> int:

@@ -202,7 +202,8 @@ def gc_document(root: str, result: GcResult, code: IntEnum) -> dict[str, Any]:
     doc = _report("kvctl.gc/1", root, result.report, result.dry_run, code,
                   orphans=[{"deployment": d.name, **o.to_dict()} for d, o in result.orphans],
                   killed=[k.to_dict() for k in result.killed],
-                  blind=result.sight.to_dict() if result.sight is not None else None)
+                  blind=result.sight.to_dict() if result.sight is not None else None,
+                  metrics_error=result.metrics_error)
     if result.all_places:
         _add_places(doc, result)
     return doc

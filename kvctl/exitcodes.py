@@ -22,6 +22,7 @@ class Exit(IntEnum):
     NOT_FOUND = 6        # the named deployment, segment or process does not exist
     REFUSED = 7          # the target is live, not ours, or not a kvcached segment: nothing done
     UNHEALTHY = 8        # doctor: a check failed (or warned, with --strict); gc --check-heartbeat: late
+    METRICS_UNWRITTEN = 9  # gc: the run's work was done and reported, but its --prometheus file was not written
     INTERRUPTED = 130    # Ctrl-C
 
 
@@ -42,9 +43,18 @@ CATEGORY_EXIT: dict[Category, Exit] = {
 }
 
 
-def exit_of(outcome: Outcome) -> Exit:
-    """The exit code of a gc or delete run that ended with `outcome`."""
-    return OUTCOME_EXIT[outcome]
+def exit_of(outcome: Outcome, metrics_error: str | None = None) -> Exit:
+    """The exit code of a gc or delete run that ended with `outcome` (and, for gc, its metrics write).
+
+    Metrics are a report, not a condition: a textfile that could not be
+    written turns a clean run (0) or one that left stale entries (3) into 9,
+    after the run did and reported its work; a failure of the work itself (4)
+    keeps its own code, the metrics line said beside it.
+    """
+    code = OUTCOME_EXIT[outcome]
+    if metrics_error is not None and code in (Exit.OK, Exit.STALE_REMAIN):
+        return Exit.METRICS_UNWRITTEN
+    return code
 
 
 class CliError(Exception):

@@ -85,3 +85,22 @@ def run_every(every: float, once: Callable[[], int], stop: Stop, *, runs: int | 
             return code
         if stop.wait(next_wait(every, draw)):
             return code
+
+
+def heartbeat_after(heartbeat: str | None) -> Callable[[int], None] | None:
+    """--every's heartbeat after each run: written, or the failure said and the loop goes on (the probe decides)."""
+    if heartbeat is None:
+        return None
+    from kvcached.node import HeartbeatError, Recorder
+
+    from .render import log_line
+
+    recorder = Recorder(heartbeat)
+
+    def after(code: int) -> None:
+        try:
+            recorder.record(code)
+        except HeartbeatError as e:
+            log_line(f"kvctl gc: {e}", "error")
+
+    return after

@@ -85,10 +85,23 @@ class KvctlGroup(TyperGroup):
         except SystemExit:
             raise
         except BaseException as e:  # noqa: BLE001 - the one place exceptions become exit codes
-            code = handle(e, verbose=run.verbose > 0, json_out=run.json)
+            code = handle(_json_before_command(e, argv), verbose=run.verbose > 0, json_out=run.json)
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+def _json_before_command(exc: BaseException, argv: list[str]) -> BaseException:
+    """`kvctl --json inspect`: say where --json goes, not that kvctl itself has no such option."""
+    from .exitcodes import CliError, Exit
+    from .typer_adapter import UsageError
+
+    if not isinstance(exc, UsageError) or getattr(exc, "option_name", None) != "--json" \
+            or exc.ctx is None or exc.ctx.parent is not None:
+        return exc
+    command = next((a for a in argv if a in commands.COMMANDS), "COMMAND")
+    return CliError(f"usage error: --json goes after the command's name: kvctl {command} --json "
+                    f"(see 'kvctl {command} --help')", Exit.USAGE)
 
 
 def _version(value: bool) -> None:

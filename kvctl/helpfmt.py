@@ -41,7 +41,8 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
 # rule that names no single code.
 EXITS: dict[str, tuple[tuple[int | None, str], ...]] = {
     "kvctl": ((0, "ok"), (1, "error"), (2, "usage"), (3, "stale entries remain"), (4, "partial failure"),
-              (5, "gc lock busy"), (6, "not found"), (7, "refused"), (8, "unhealthy"), (130, "interrupted")),
+              (5, "gc lock busy"), (6, "not found"), (7, "refused"), (8, "unhealthy"), (9, "metrics not written"),
+              (130, "interrupted")),
     "list": ((0, "ok"), (6, "NAME matches nothing")),
     "limit": ((0, "set"), (2, "bad SIZE or NAME"), (6, "no such segment"), (7, "not a kvcached segment")),
     "limit-percent": ((0, "set"), (1, "no torch or no such GPU"), (2, "bad PCT or NAME"), (6, "no such segment"),
@@ -52,8 +53,11 @@ EXITS: dict[str, tuple[tuple[int | None, str], ...]] = {
     "delete": ((0, "removed"), (3, "stale entries remain"), (4, "a removal failed"), (6, "no such deployment"),
                (7, "refused (live, not ours, or not proven dead without --yes)")),
     "inspect": ((0, "ok"), (6, "NAME or --pid matches nothing")),
-    "gc": ((0, "nothing stale remains"), (3, "stale entries remain (dry run, not confirmed, time limit)"),
+    "gc": ((0, "nothing stale remains"), (1, "error (the lock file, or a --prometheus FILE that is no regular "
+           "file: before any work)"), (2, "usage"),
+           (3, "stale entries remain (dry run, not confirmed, time limit)"),
            (4, "a removal or kill failed"), (5, "another gc holds the lock"), (6, "NAME matches nothing"),
+           (9, "done and reported, but the --prometheus FILE could not be written (in place of 0 or 3)"),
            (None, "with --every: the last run's code on SIGTERM or SIGINT"),
            (8, "--check-heartbeat: the last run is older than --max-age, or no heartbeat")),
     "doctor": ((0, "healthy (warnings allowed)"), (8, "a check failed (--strict: or warned)")),

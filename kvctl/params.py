@@ -51,7 +51,8 @@ class Globals:
         if self.root_arg is None:
             return
         if not os.path.isdir(self.root_arg):
-            raise CliError(f"--root {self.root_arg}: not a directory", Exit.USAGE)
+            what = "not a directory" if os.path.lexists(self.root_arg) else "the directory does not exist"
+            raise CliError(f"--root {self.root_arg}: {what}", Exit.USAGE)
         # realpath, not abspath: through a symlinked root every path we print and
         # act on is the one the kernel resolves, and listings compare identities.
         self.root = os.path.realpath(self.root_arg)

@@ -335,7 +335,8 @@ def render_view(out: Out, view: NodeView, *, now: float, hint: Callable[[str], s
 _VERBS = {Action.REMOVED: "Removed", Action.WOULD_REMOVE: "Would remove", Action.KEPT: "Kept", Action.FAILED: "FAILED"}
 
 
-def render_report(out: Out, report: Report, *, verbose: bool, by_deployment: bool = False) -> None:
+def render_report(out: Out, report: Report, *, verbose: bool, by_deployment: bool = False,
+                  summary: bool = True) -> None:
     """gc's and delete's report: a row per entry (live ones only with -v), or one per deployment; then the summary."""
     if by_deployment and not verbose:
         render_by_deployment(out, report)
@@ -356,7 +357,8 @@ def render_report(out: Out, report: Report, *, verbose: bool, by_deployment: boo
             rows.append([part[0], e.candidate.kind._value_, e.path, part[1], part[2], part[3]])
         if rows:
             out.table(["ACTION", "KIND", "PATH", "STATE", "REASON", "DETAIL"], rows, indent=0, fold=(2, 5))
-    out.line(summary_line(report) + (f" [{report.summary()['seconds']}s]" if verbose else ""))
+    if summary:
+        out.line(summary_line(report) + (f" [{report.summary()['seconds']}s]" if verbose else ""))
     for err in report.errors:
         out.line(("error: ", "red"), err)
 

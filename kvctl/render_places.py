@@ -49,7 +49,7 @@ def render_places_view(out: Out, places: Sequence[PlaceResult], *, now: float, h
     out.line(f"{found} place{'' if found == 1 else 's'} besides the host's")
 
 
-def render_places_report(out: Out, result: GcResult, *, verbose: bool, terminal: bool) -> None:
+def render_places_report(out: Out, result: GcResult, *, verbose: bool, terminal: bool, summary: bool = True) -> None:
     """gc -A: the host's report, then each other place's (kvcached's entries, then the engines')."""
     from .render_sources import render_run
 
@@ -59,7 +59,7 @@ def render_places_report(out: Out, result: GcResult, *, verbose: bool, terminal:
         d = r.to_dict()
         _heading(out, r.place, d["stale_bytes"], d["stale_entries"])
         if r.report is not None and (r.place.is_host or r.report.entries):
-            render_run(out, r.report, verbose=verbose, grouped=terminal)
+            render_run(out, r.report, verbose=verbose, grouped=terminal, summary=summary)
     for err in result.place_errors:
         out.line(("could not read: ", "yellow"), err)
 

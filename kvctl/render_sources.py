@@ -37,15 +37,16 @@ def _kept_bits(counts: Counter[State]) -> str:
                      if counts[s])
 
 
-def render_run(out: Out, report: Report, *, verbose: bool, grouped: bool = False) -> None:
-    """gc's report: each source's table (a row per entry, or with `grouped` per deployment or engine) and summary."""
+def render_run(out: Out, report: Report, *, verbose: bool, grouped: bool = False, summary: bool = True) -> None:
+    """gc's report: each source's table (a row per entry, or with `grouped` per deployment or engine) and summary
+    (`summary=False`: the tables only, where each summary is said once, as its log line)."""
     for source in report.sources:
         part = report.part(source)
         assert part is not None
         if source is Source.KVCACHED:
-            render_report(out, part, verbose=verbose, by_deployment=grouped)
+            render_report(out, part, verbose=verbose, by_deployment=grouped, summary=summary)
         else:
-            render_engine_report(out, part, verbose=verbose, by_engine=grouped)
+            render_engine_report(out, part, verbose=verbose, by_engine=grouped, summary=summary)
 
 
 def run_line(report: Report) -> str:
@@ -87,7 +88,8 @@ def render_engine_view(out: Out, entries: Sequence[Entry[Any]], hint: Callable[[
     out.blank()
 
 
-def render_engine_report(out: Out, report: Report, *, verbose: bool, by_engine: bool = False) -> None:
+def render_engine_report(out: Out, report: Report, *, verbose: bool, by_engine: bool = False,
+                         summary: bool = True) -> None:
     """gc --engines' part of the report: a row per entry (live ones only with -v) or per engine; its summary."""
     if by_engine and not verbose:
         _by_engine(out, report)
@@ -102,7 +104,8 @@ def render_engine_report(out: Out, report: Report, *, verbose: bool, by_engine: 
         if rows:
             out.table(["ACTION", "ENGINE", "KIND", "PATH", "STATE", "REASON", "BYTES", "DETAIL"], rows, indent=0,
                       fold=(3, 7))
-    out.line("gc: " + engine_summary_line(report))
+    if summary:
+        out.line("gc: " + engine_summary_line(report))
 
 
 def _by_engine(out: Out, report: Report) -> None:

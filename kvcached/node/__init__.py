@@ -32,6 +32,7 @@ FACE: dict[str, tuple[str, ...]] = {
     "base.layout": ("Layout",),
     "base.name_rules": ("dp_rank_name", "ipc_name_from_env"),
     "base.place": ("HOST_PLACE", "Place"),
+    "base.published": ("PUBLISHED_MEMFD", "Published"),
     "base.units": ("BadValue", "format_duration", "format_size", "parse_duration", "parse_interval",
                    "parse_percent", "parse_size"),
     "clean.cleanup": ("Plan", "preview"),
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # what mypy reads; at run time each name loads in __getattr__
     from .base.layout import Layout
     from .base.name_rules import dp_rank_name, ipc_name_from_env
     from .base.place import HOST_PLACE, Place
+    from .base.published import PUBLISHED_MEMFD, Published
     from .base.units import (
         BadValue,
         format_duration,

@@ -161,7 +161,9 @@ def _run_line(result: Any, code: int) -> tuple[str, str]:
         line += f"; {places_summary_line(result)}"
     blind = _blind_line(result)
     line += f"; {blind}" if blind else ""
-    level = "error" if code in (Exit.ERROR, Exit.PARTIAL_FAILURE) else "warning" if code or blind else "info"
+    line += f"; metrics not written: {result.metrics_error}" if result.metrics_error else ""
+    level = "error" if code in (Exit.ERROR, Exit.PARTIAL_FAILURE, Exit.METRICS_UNWRITTEN) \
+        else "warning" if code or blind else "info"
     return f"{line} (exit {code})", level
 
 
@@ -171,7 +173,7 @@ def _one_run(opts: Any, run: Globals, json_out: bool) -> int:
 
     try:
         result = run_gc(opts)
-    except KvcachedError as e:  # the lock busy, a metrics file that cannot be written, NAMEs matching nothing
+    except KvcachedError as e:  # the lock busy, a metrics target that is no regular file, NAMEs matching nothing
         code = CATEGORY_EXIT[e.category]
         if json_out:
             emit_json(error_document(code, str(e)), one_line=True)
@@ -179,7 +181,7 @@ def _one_run(opts: Any, run: Globals, json_out: bool) -> int:
             log_line(f"kvctl gc: {e}; nothing done this run (exit {int(code)})",
                      "warning" if code in (Exit.LOCK_BUSY, Exit.NOT_FOUND) else "error")
         return int(code)
-    code = exit_of(result.outcome)
+    code = exit_of(result.outcome, result.metrics_error)
     if json_out:
         emit_json(gc_document(run.root, result, code), one_line=True)
     else:
@@ -204,23 +206,6 @@ def _loop_opts(every: float | None, max_age: float | None, loop: LoopOpts) -> Lo
     return loop
 
 
-def _after_each_run(heartbeat: str | None) -> Any:
-    """--every's heartbeat after each run: written, or the failure said and the loop goes on (the probe decides)."""
-    if heartbeat is None:
-        return None
-    from kvcached.node import HeartbeatError, Recorder
-
-    recorder = Recorder(heartbeat)
-
-    def after(code: int) -> None:
-        try:
-            recorder.record(code)
-        except HeartbeatError as e:
-            log_line(f"kvctl gc: {e}", "error")
-
-    return after
-
-
 def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts) -> int:
     """gc --every: refuse what could never act, then one run after another until SIGTERM or SIGINT."""
     from contextlib import ExitStack
@@ -228,7 +213,7 @@ def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts
     from kvcached import settings
     from kvcached.node import check_options
 
-    from ..gcloop import Stop, run_every
+    from ..gcloop import Stop, heartbeat_after, run_every
 
     floor = settings.KVCTL_EVERY_MIN_S.get()
     if every < floor:
@@ -251,7 +236,7 @@ def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts
             log_line(f"kvctl gc: serving the last run's metrics on http://{host}:{port}/metrics", "info")
             opts = opts._replace(metrics_sink=server)
         stop = stack.enter_context(Stop())
-        return run_every(every, lambda: _one_run(opts, run, json_out), stop, after=_after_each_run(loop.heartbeat))
+        return run_every(every, lambda: _one_run(opts, run, json_out), stop, after=heartbeat_after(loop.heartbeat))
 
 
 def _check_heartbeat(ctx: typer.Context, path: str, max_age: float | None) -> int:
@@ -313,20 +298,38 @@ def _declined(run: Globals, opts: Any, result: Any, min_age: float) -> None:
     """Nothing removed because nobody confirmed: how many stale entries remain, and the command that removes them."""
     again = ("gc -A" if opts.all_places else "gc") + (" --engines --yes" if opts.engine_pass else " --yes")
     stale = sum(len(r.report.stale_remaining) for r in result.places if r.report is not None)
-    note(f"nothing removed: {stale} stale entr{'y' if stale == 1 else 'ies'} remain; "
+    note(f"nothing removed: {stale} stale entr{'y remains' if stale == 1 else 'ies remain'}; "
          f"re-run with --yes to remove them ({run.hinter(min_age)(again)})")
 
 
 def _show(out: Out, run: Globals, result: Any) -> None:
-    """gc's report on stdout: a row per deployment (or engine) on a terminal (every entry with -v), else per entry."""
+    """gc's report on stdout: a row per deployment (or engine) on a terminal (every entry with -v), else per entry.
+
+    Off a terminal a run that acted also logs each summary on stderr (_log), which cron keeps while stdout goes
+    to /dev/null; where stdout and stderr are one file (a journal, `2>&1`, a pod's log) the report leaves its
+    summaries to those log lines, so that each is read once.
+    """
+    summary = out.terminal or result.dry_run or not _one_destination()
     if result.all_places:
         from ..render_places import render_places_report
 
-        render_places_report(out, result, verbose=run.verbose > 0, terminal=out.terminal)
+        render_places_report(out, result, verbose=run.verbose > 0, terminal=out.terminal, summary=summary)
         return
     from ..render_sources import render_run
 
-    render_run(out, result.report, verbose=run.verbose > 0, grouped=out.terminal)
+    render_run(out, result.report, verbose=run.verbose > 0, grouped=out.terminal, summary=summary)
+
+
+def _one_destination() -> bool:
+    """Whether stdout and stderr are the same open file (by identity: `2>&1`, systemd's journal stream)."""
+    import os
+    import sys
+
+    try:
+        a, b = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):  # not real files (a test's capture): two destinations
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _log(result: Any) -> None:
@@ -412,11 +415,11 @@ def gc(
                      kinds=tuple(k for k in chosen if isinstance(k, Kind)), dry_run=dry_run, yes=yes,
                      time_limit=time_limit or None, kill_orphans=kill_orphans, prometheus=prometheus,
                      engines=engines, engine_kinds=tuple(k for k in chosen if isinstance(k, EngineKind)),
-                     all_places=all_places, kubelet_dir=kubelet_dir)
+                     all_places=all_places, kubelet_dir=kubelet_dir, every=every)
     if every is not None:
         return _every(every, opts, run, json_out, loop)
     result = _run(opts, out, run, json_out)
-    code = exit_of(result.outcome)
+    code = exit_of(result.outcome, result.metrics_error)
     if kill_orphans and not dry_run and not yes and not result.killed and result.killable:
         note("orphans not terminated: confirm on a terminal or pass --yes")
     if result.declined:
@@ -428,4 +431,7 @@ def gc(
     if not out.terminal and not result.dry_run:
         _log(result)  # cron sends stdout to /dev/null: problems and the summary go to stderr
     _closing_lines(out, run, result, min_age, json_out=json_out, names=names)
+    if result.metrics_error is not None:  # last: after the report, which stands whatever the metrics did
+        log_line(f"kvctl gc: metrics not written (exit {int(code)}; the report above stands): "
+                 f"{result.metrics_error}", "error")
     return code

@@ -59,14 +59,15 @@ def test_gc_and_delete_documents_share_their_keys(node) -> None:
     doc = documents.gc_document(layout.root, dry, Exit.STALE_REMAIN)
     validate(doc, "gc")
     assert doc["dry_run"] is True and {e["action"] for e in doc["entries"]} >= {"would_remove"}
-    assert list(doc) == ["schema", "root", "dry_run", "entries", "summary", "orphans", "killed", "blind", "errors",
-                         "exit_code"]  # the order docs/KVCTL.md §9 shows
+    assert list(doc) == ["schema", "root", "dry_run", "entries", "summary", "orphans", "killed", "blind",
+                         "metrics_error", "errors", "exit_code"]  # the order docs/KVCTL.md §9 shows
     assert doc["blind"] is None or doc["blind"]["reasons"]
+    assert doc["metrics_error"] is None  # no --prometheus asked for
     report = run_delete(layout, name, grace=0.0)
     deleted = documents.delete_document(layout.root, report, Exit.OK)
     validate(deleted, "gc")
     assert deleted["schema"] == "kvctl.delete/1" and deleted["dry_run"] is False
-    assert {k for k in deleted} == {k for k in doc} - {"orphans", "killed", "blind"}
+    assert {k for k in deleted} == {k for k in doc} - {"orphans", "killed", "blind", "metrics_error"}
 
 
 def test_doctor_and_demo_documents(node) -> None:

@@ -92,3 +92,105 @@ def test_no_document_tells_a_user_to_pip_install_kvcached() -> None:
             if not re.search(r"\bnot\b[^.;]*$", text[max(0, m.start() - 60):m.start()], re.IGNORECASE):
                 told.append(f"{path.relative_to(REPO)}: ...{text[max(0, m.start() - 60):m.end()]}")
     assert told == []
+
+
+def _section(title_prefix: str) -> str:
+    text = DOC.read_text(encoding="utf-8")
+    start = text.index(f"\n## {title_prefix}")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else len(text)]
+
+
+def _fence_problem(text: str) -> str | None:
+    """Why the code fences of a Markdown text are unbalanced, or None: each closes, bare, before any heading."""
+    open_at = None
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            if open_at is None:
+                open_at = i
+            elif line.strip() != "```":
+                return f"line {i}: the fence opened on line {open_at} closes with {line.strip()!r}"
+            else:
+                open_at = None
+        elif open_at is not None and line.startswith("## "):
+            return f"line {open_at}: a fence still open at the heading on line {i}"
+    return None if open_at is None else f"line {open_at}: a fence never closed"
+
+
+def test_the_references_code_fences_are_balanced() -> None:
+    """Every fence opened is closed before the next heading: a stray one turns the prose after it into a block."""
+    for doc in (DOC, REPO / "README.md", REPO / "docs/RUNBOOK.md", REPO / "contrib/kubernetes/README.md"):
+        assert _fence_problem(doc.read_text(encoding="utf-8")) is None, (doc.name, _fence_problem(doc.read_text()))
+    # The check is real: the stray fence issue 38 found (an empty block, then prose, then a heading) is caught.
+    assert _fence_problem("```\nkvctl\n```\n\n```\n\nprose\n\n## 2. Next\n") == \
+        "line 5: a fence still open at the heading on line 9"
+
+
+def test_every_kvctl_setting_is_in_section_8() -> None:
+    from kvcached import settings
+
+    section = _section("8. Environment")
+    rows = set(re.findall(r"^\| `([A-Z_][A-Z0-9_]*)", section, re.M))
+    missing = [s.name for s in settings.ALL if s.name.startswith("KVCTL_") and s.name not in rows]
+    assert missing == [], f"docs/KVCTL.md §8 does not document {missing}"
+
+
+def _schema_keys() -> dict[str, set[str]]:
+    """Every property name in kvctl/schemas/*.json (nested ones too) -> the schema files that have it."""
+    import json
+
+    keys: dict[str, set[str]] = {}
+
+    def walk(node: object, name: str) -> None:
+        if isinstance(node, dict):
+            for key, sub in node.get("properties", {}).items():
+                keys.setdefault(key, set()).add(name)
+                walk(sub, name)
+            for key, sub in node.items():
+                if key != "properties":
+                    walk(sub, name)
+        elif isinstance(node, list):
+            for sub in node:
+                walk(sub, name)
+
+    for path in sorted((REPO / "kvctl" / "schemas").glob("*.json")):
+        walk(json.loads(path.read_text(encoding="utf-8")), path.name)
+    return keys
+
+
+def test_every_json_key_of_the_schemas_is_in_section_9() -> None:
+    """A key counts as documented where §9 names it as code: in a `code span` or a JSON block."""
+    section = _section("9. JSON documents")
+    code = " ".join(re.findall(r"`([^`]+)`", section.replace("```", "\n")))
+    code += " ".join(re.findall(r"```json\n(.*?)```", section, re.S))
+    missing = {k: sorted(v) for k, v in _schema_keys().items()
+               if not re.search(rf'(?<![\w-]){re.escape(k)}(?![\w-])', code)}
+    assert missing == {}, f"docs/KVCTL.md §9 does not name these keys: {missing}"
+
+
+def test_readme_names_every_dependency_the_install_brings() -> None:
+    text = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    block = text.split("\ndependencies = [", 1)[1].split("\n]", 1)[0]
+    names = [re.split(r"[<>=!~ \[]", r, maxsplit=1)[0] for r in re.findall(r'^\s*"([^"]+)"', block, re.M)]
+    install = " ".join(_readme_section("Install"))
+    assert len(names) >= 5 and [n for n in names if n not in install] == [], names
+
+
+def test_the_repository_carries_the_licence_pyproject_names() -> None:
+    licence = (REPO / "LICENSE").read_text(encoding="utf-8")
+    assert 'license = { text = "Apache-2.0" }' in (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    head = " ".join(licence.split()[:6])
+    assert head == "Apache License Version 2.0, January 2004" and "END OF TERMS AND CONDITIONS" in licence
+    assert "APPENDIX: How to apply the Apache License to your work." in licence and len(licence.splitlines()) == 202
+
+
+def test_readme_says_what_kvctl_never_deletes_how_to_uninstall_and_what_other_engine_versions_get() -> None:
+    never = " ".join(" ".join(_readme_section("What kvctl never deletes")).split())
+    for word in ("`live`", "`young`", "`unknown`", "`foreign`", "symlink", "--engines", "--kill-orphans"):
+        assert word in never, word
+    uninstall = "\n".join(_readme_section("Uninstall"))
+    for path in ("/etc/cron.d/kvctl-gc", "kvctl-gc.timer", "/etc/tmpfiles.d/kvcached.conf", "pip uninstall kvcached",
+                 "kubectl delete -f contrib/kubernetes/"):
+        assert path in uninstall, path
+    versions = " ".join(" ".join(_readme_section("On engine versions it was not built against")).split())
+    assert "stands aside" in versions and "kvctl doctor engine" in versions

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached.node.base.units import BadValue, format_duration, format_size, parse_duration, parse_percent, parse_size
+from kvcached.node.base.units import (
+    BadValue,
+    format_age,
+    format_duration,
+    format_size,
+    parse_duration,
+    parse_percent,
+    parse_size,
+)
 from kvctl.exitcodes import Exit
 from kvctl.render import Out, safe
 
@@ -58,6 +66,9 @@ def test_formats() -> None:
         "512M",
     ]
     assert [format_duration(s) for s in (None, 5, 90, 7200, 90000)] == ["-", "5s", "1m", "2h", "1d"]
+    # Ages in messages read as durations (issue 38), two units at most, rounded to the second.
+    assert [format_age(s) for s in (0, 5, 59.6, 90, 3725, 7200, 90061, -3)] == [
+        "0 s", "5 s", "1 min", "1 min 30 s", "1 h 2 min", "2 h", "1 d 1 h", "0 s"]
 
 
 @pytest.mark.parametrize(
@@ -101,6 +112,7 @@ def test_exit_codes_are_the_documented_numbers() -> None:
         "NOT_FOUND": 6,
         "REFUSED": 7,
         "UNHEALTHY": 8,
+        "METRICS_UNWRITTEN": 9,
         "INTERRUPTED": 130,
     }
 

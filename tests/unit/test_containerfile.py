@@ -1,10 +1,13 @@
-"""contrib/kubernetes/Containerfile: it lints clean, pins its base, and its install steps work in a fresh venv.
+"""contrib/kubernetes/Containerfile: it lints clean, pins its base, installs from a lock with hashes, takes its
+version from the package's metadata, carries the OCI labels, and its install steps work in a fresh venv.
 
 No container runtime runs here, so the build is exercised step by step: the
 build stage's COPY lines are copied from the repository, its ENV lines set,
-and its RUN line run as written (paths moved into the test's directory), with
-no compiler, as on the image's base. hadolint is the real linter, a binary
-from the package index (the test extra).
+and its RUN line run as written (paths moved into the test's directory; the
+VERSION build argument as `make image` passes it), with no compiler, as on the
+image's base. hadolint is the real linter, a binary from the package index
+(the test extra). Not run here: a real `docker buildx build`, for either
+architecture (contrib/kubernetes/README.md, "The image", gives the commands).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import pytest
 
 REPO = Path(__file__).parents[2]
 CONTAINERFILE = REPO / "contrib/kubernetes/Containerfile"
+LOCK = REPO / "contrib/kubernetes/requirements.lock"
 IMAGE = "registry.example.com/kvcached/kvctl:0.1.0"
+VERSION = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)  # type: ignore
 
 
 def _instructions(text: str) -> list[tuple[str, str]]:
@@ -88,11 +93,52 @@ def test_the_final_stage_is_the_venv_and_nothing_of_the_build() -> None:
 def test_the_manifests_and_the_readme_name_the_image_it_builds() -> None:
     text = CONTAINERFILE.read_text()
     assert f"-t {IMAGE} ." in text
+    assert IMAGE.endswith(f":{VERSION}"), "the image's tag is the package's version"
     for name in ("kvctl-gc-daemonset.yaml", "kvctl-inspect-pod.yaml"):
         assert f"image: {IMAGE}" in (REPO / "contrib/kubernetes" / name).read_text()
-    readme = (REPO / "contrib/kubernetes/README.md").read_text()
-    assert f"docker build -f contrib/kubernetes/Containerfile -t {IMAGE} ." in readme
-    assert f"docker push {IMAGE}" in readme
+    readme = " ".join((REPO / "contrib/kubernetes/README.md").read_text().split())
+    # The build needs its version (and the labels' revision and source) as build arguments, which make passes.
+    assert f"-f contrib/kubernetes/Containerfile --build-arg VERSION={VERSION} " in readme
+    assert f"-t {IMAGE} ." in readme and f"docker push {IMAGE}" in readme
+    assert "make image PLATFORM=linux/arm64" in readme and "--platform linux/amd64,linux/arm64" in readme
+
+
+def test_the_version_and_the_oci_labels_come_from_the_build_not_from_literals() -> None:
+    text = CONTAINERFILE.read_text()
+    assert VERSION not in text.replace(IMAGE, ""), "a version literal besides pyproject.toml's"
+    build, final = _stages()
+    assert ("ARG", "VERSION") in build and {("ARG", a) for a in ("VERSION", "REVISION", "SOURCE")} <= set(final)
+    (label,) = [a for w, a in final if w == "LABEL"]
+    labels = dict(re.findall(r'(org\.opencontainers\.image\.[a-z]+)="([^"]*)"', label))
+    assert {k: labels[f"org.opencontainers.image.{k}"] for k in ("version", "revision", "source")} == {
+        "version": "${VERSION}", "revision": "${REVISION}", "source": "${SOURCE}"}
+    assert labels["org.opencontainers.image.licenses"] == "Apache-2.0"
+    makefile = (REPO / "Makefile").read_text()
+    for arg in ("VERSION", "REVISION", "SOURCE"):
+        assert f"--build-arg {arg}=" in makefile, arg
+
+
+def test_the_lock_pins_every_dependency_exactly_with_hashes() -> None:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    text = LOCK.read_text()
+    pins = dict(re.findall(r"^([a-z0-9-]+)==(\S+) \\$", text, re.M))
+    entries = re.split(r"\n(?=[a-z0-9-]+==)", text.split("\n", 5)[-1].strip())
+    assert len(entries) == len(pins) and all("--hash=sha256:" in e for e in entries), "every pin has its hashes"
+    assert not re.search(r"^[a-z0-9-]+(>=|<|~=|\*)", text, re.M), "no ranges"
+    block = (REPO / "pyproject.toml").read_text().split("\ndependencies = [", 1)[1].split("\n]", 1)[0]
+    wanted = [Requirement(r) for r in re.findall(r'^\s*"([^"]+)"', block, re.M)]
+    wanted += [Requirement("setuptools>=65"), Requirement("wheel")]  # the build, without isolation
+    for req in wanted:
+        name = canonicalize_name(req.name)
+        assert name in pins and req.specifier.contains(pins[name]), (req, pins.get(name))
+    base = re.search(r"^FROM python:(\d+\.\d+)\.", CONTAINERFILE.read_text(), re.M).group(1)  # type: ignore
+    assert f"# image-python: {base}\n" in text, "the lock's wheels are for the base's CPython"
+    assert f"{base} x86_64, {base} aarch64" in text, "both architectures are locked"
+    (run,) = [a for w, a in _stages()[0] if w == "RUN"]
+    assert "--require-hashes --only-binary=:all: -r /src/requirements.lock" in run
+    assert "--no-deps --no-build-isolation /src" in run
 
 
 def test_nothing_tells_a_user_to_install_kvcached_from_the_index() -> None:
@@ -111,6 +157,9 @@ def _copy_sources(copies: list[str], dest: Path) -> None:
             there = dest / target.lstrip("/")
             if (REPO / src).is_dir():
                 shutil.copytree(REPO / src, there, ignore=ignore)
+            elif len(sources) == 1 and not target.endswith("/"):  # COPY FILE DEST: DEST is the file's new path
+                there.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(REPO / src, there)
             else:
                 there.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(REPO / src, there / Path(src).name)
@@ -141,7 +190,9 @@ def test_the_install_steps_give_a_working_kvctl_in_a_fresh_venv(tmp_path) -> Non
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("KVCACHED_", "KVCTL_", "VIRTUAL_ENV", "PYTHONPATH"))}
     # No compiler, as on the base: the optional extension's build must fail and be skipped, not fail the install.
-    env.update(image_env, CC="false", CXX="false", KVCACHED_REQUIRE_EXT="0")
+    # VERSION: the build argument make image passes (a RUN sees a build argument as a variable).
+    env.update(image_env, CC="false", CXX="false", KVCACHED_REQUIRE_EXT="0", VERSION=VERSION)
+    assert (box / "src/requirements.lock").is_file()
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=900,
                        env=env, cwd=box)
     if r.returncode != 0 and re.search(r"(?i)(network is unreachable|temporary failure in name resolution|"
@@ -150,10 +201,19 @@ def test_the_install_steps_give_a_working_kvctl_in_a_fresh_venv(tmp_path) -> Non
         pytest.skip(f"the package index cannot be reached from here: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert not (venv / "bin/pip").exists(), "pip leaves the venv"
+    assert not list(venv.rglob("setuptools/__init__.py")), "the build's tools leave it too"
+    (licence,) = [p for p in venv.rglob("kvcached-*.dist-info/**/LICENSE") if p.is_file()]
+    assert licence.read_text() == (REPO / "LICENSE").read_text(), "the image carries the licence"
+    # The version check of the RUN line, against the venv it made: a wrong or missing VERSION fails the build.
+    check = " && ".join(p for p in script.split(" && ") if p.startswith(("built=", "test ")))
+    for bad, why in (({"VERSION": "9.9.9"}, ""), ({}, "build with --build-arg VERSION")):
+        got = subprocess.run(["bash", "-euo", "pipefail", "-c", check], capture_output=True, text=True, timeout=60,
+                             env={**{k: v for k, v in env.items() if k != "VERSION"}, **bad})
+        assert got.returncode != 0 and why in got.stderr, (bad, got)
     kvctl = venv / "bin/kvctl"
     clean = {**{k: v for k, v in env.items() if k not in ("CC", "CXX")}, "PATH": f"{venv / 'bin'}:{env['PATH']}"}
     v = subprocess.run([str(kvctl), "--version"], capture_output=True, text=True, timeout=60, env=clean, cwd=box)
-    assert v.returncode == 0 and v.stdout.strip() == "kvctl 0.1.0", v
+    assert v.returncode == 0 and v.stdout.strip() == f"kvctl {VERSION}", v
     # It is this repository's kvctl, and it runs a gc (the node layer needs no extension).
     root = box / "node"
     for sub in ("tmp", "dev/shm"):

@@ -97,6 +97,27 @@ def test_every_manifest_validates_against_kubernetes_1_34(path: Path) -> None:
             _validate_monitoring(doc)
 
 
+@pytest.mark.parametrize("name", ["kvctl-gc", "kvctl-inspect"])
+def test_apparmor_profile_needs_kubernetes_1_30_as_the_readme_says(name: str) -> None:
+    """The minimum version the README states is the schemas': 1.29's rejects the field, 1.30's takes it."""
+    (doc,) = [d for d in _all_docs() if d["kind"] in ("Pod", "DaemonSet") and d["metadata"]["name"] == name]
+    with pytest.raises(kubernetes_validate.ValidationError, match="appArmorProfile"):
+        kubernetes_validate.validate(doc, "1.29.0", strict=True)
+    kubernetes_validate.validate(doc, "1.30.0", strict=True)
+    readme = " ".join((HERE / "README.md").read_text().split())
+    assert "The field needs **Kubernetes 1.30** or later" in readme
+    assert "container.apparmor.security.beta.kubernetes.io/kvctl: unconfined" in readme
+
+
+def test_the_agent_is_ready_once_its_endpoint_serves_a_run() -> None:
+    """readiness: /metrics on the agent's own port, which answers 503 until the first run has finished."""
+    (c,) = _daemonset()["containers"]
+    probe = c["readinessProbe"]["httpGet"]
+    (port,) = c["ports"]
+    assert probe == {"path": "/metrics", "port": port["name"]}
+    assert port["containerPort"] == int(_flag(c["command"], "--metrics-port"))
+
+
 def test_an_invalid_manifest_is_caught() -> None:
     """The validator is really checking: a field the schema lacks, and a wrong type, are errors."""
     doc = _docs(HERE / "kvctl-inspect-pod.yaml")[0]
@@ -280,9 +301,12 @@ def test_the_service_and_servicemonitor_reach_the_daemonsets_port() -> None:
     assert endpoint["port"] == svc_port["name"] and endpoint["path"] == "/metrics"
 
 
-# Metrics the alerts name that another part of issue 30 adds (the gc run that cannot see says so); until it is
-# merged a run does not write them.
-PENDING = {"kvctl_gc_blind"}
+# Metrics the alerts name that another part of issue 30 adds (the gc run that cannot see says so), and the places'
+# fill that issue 36 adds (its §2 names them and their labels; the alerts are written against that text); until
+# they are merged a run does not write them.
+PENDING = {"kvctl_gc_blind", "kvctl_place_capacity_bytes", "kvctl_place_used_bytes", "kvctl_place_stale_bytes"}
+# Written by the agent's runs only (gc --every): tests/cli/test_metrics_report.py runs one.
+LOOP_ONLY = {"kvctl_gc_every_seconds"}
 
 
 def _written_metrics(tmp_path: Path) -> set[str]:
@@ -302,7 +326,7 @@ def test_every_alert_names_metrics_a_run_writes(tmp_path: Path) -> None:
     rules = [r for g in _one("PrometheusRule")["spec"]["groups"] for r in g["rules"]]
     written = _written_metrics(tmp_path)
     named = {m for r in rules for m in re.findall(r"\bkvctl_[a-z_]+\b", r["expr"])}
-    assert named - written <= PENDING - written, named - written
+    assert named - written <= (PENDING | LOOP_ONLY) - written, named - written
     alerts = {r["alert"]: r for r in rules}
     # The four the agent needs: bytes it cannot free, no clean run, a blind run, no engine metrics.
     assert {"KvctlGcStaleBytes", "KvctlGcNoRecentSuccess", "KvctlGcBlind", "KvctlGcEngineMetricsAbsent"} <= set(alerts)

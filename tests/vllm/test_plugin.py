@@ -315,7 +315,13 @@ def test_kvctl_doctor_says_enable_kvcached_once_for_vllm(layout) -> None:
     r = subprocess.run([KVCTL, "--root", layout.root, "doctor", "engine"], env=env, capture_output=True, text=True,
                        timeout=400, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("export ENABLE_KVCACHED=true") == 1, r.stdout
+    # Once for vLLM; SGLang, installed beside it, gets the same switch in its own fix line (issue 38).
+    assert r.stdout.count("export ENABLE_KVCACHED=true (kvcached's vLLM plugin") == 1, r.stdout
+    if "warn sglang " in r.stdout:
+        assert "fix: export ENABLE_KVCACHED=true (kvcached's SGLang plugin" in r.stdout, r.stdout
+    # No serve runs under this root: what follows is said to be this shell's environment, not a serve's.
+    assert "serve of an engine kvcached integrates with runs with KVCACHED_ROOT=" in r.stdout
+    assert "this shell's environment" in r.stdout
     lines = r.stdout.splitlines()
     (engine,) = [i for i, ln in enumerate(lines) if ln.startswith("  warn vllm ")]
     assert "fix: export ENABLE_KVCACHED=true" in lines[engine + 1]

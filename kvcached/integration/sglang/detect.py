@@ -30,7 +30,7 @@ from .common import (
 )
 
 LABEL = "SGLang"
-ENABLE_FIX = "export KVCACHED_ENABLE=1 (kvcached's SGLang plugin applies its patches in every SGLang process)"
+ENABLE_FIX = "export ENABLE_KVCACHED=true (kvcached's SGLang plugin applies its patches in every SGLang process)"
 # Facts of the sglang section: the shapes hazard is judged from the first four, the rest are SGLang's stop timings.
 RAY_INSTALLED = "ray_installed"  # Ray-backed serves (--use-ray) are not covered
 RUST_SERVER = "rust_server"  # SGLANG_RUST_SERVER is set: serves started so are not covered

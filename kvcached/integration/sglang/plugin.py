@@ -39,9 +39,10 @@ def _applier(names: tuple[str, ...]) -> Callable[[ModuleType], None]:
     def apply(_module: ModuleType) -> None:
         # Runs inside SGLang's import of the module: nothing may escape into it.
         try:
+            from ..publish import publish
             from .patches import REGISTRY
 
-            REGISTRY.apply(names)
+            publish(REGISTRY, REGISTRY.apply(names))  # what kvctl doctor engine reads of this process
         except Exception:
             log.exception("kvcached: SGLang patches %s failed; SGLang continues without them", ", ".join(names))
 
@@ -56,7 +57,9 @@ def register() -> None:
 def _hook_patches() -> None:
     import wrapt  # here: a plugin loaded with kvcached off imports nothing beyond this package
 
-    from .patches import by_home_module
+    from ..publish import publish
+    from .patches import REGISTRY, by_home_module
 
+    publish(REGISTRY)  # active in this process from now on, its patches said as their modules are imported
     for module_name, names in by_home_module().items():
         wrapt.register_post_import_hook(_applier(names), module_name)

@@ -71,6 +71,7 @@ def register() -> None:
 
 def _apply() -> None:
     route_logs_to_vllm()
+    from ..publish import publish
     from .patches import REGISTRY
 
-    REGISTRY.apply()
+    publish(REGISTRY, REGISTRY.apply())  # what kvctl doctor engine reads of this process

@@ -128,6 +128,16 @@ def format_duration(seconds: float | None) -> str:
     return f"{int(s)}s"
 
 
+def format_age(seconds: float) -> str:
+    """`35 s`, `1 min 30 s`, `1 h 2 min`, `2 d 3 h`: an age in messages, read as a duration (two units at most)."""
+    s = int(max(0.0, seconds) + 0.5)
+    for big, big_unit, small, small_unit in ((86400, "d", 3600, "h"), (3600, "h", 60, "min"), (60, "min", 1, "s")):
+        if s >= big:
+            rest = (s % big) // small
+            return f"{s // big} {big_unit}" + (f" {rest} {small_unit}" if rest else "")
+    return f"{s} s"
+
+
 def entries(n: int, what: str = "") -> str:
     """`1 live entry`, `3 live entries`: counts in messages read as sentences."""
     return f"{n} {what + ' ' if what else ''}entr{'y' if n == 1 else 'ies'}"

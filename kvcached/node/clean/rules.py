@@ -34,6 +34,7 @@ from functools import cached_property
 from typing import Generic, Protocol, TypeVar
 
 from ..base.enums import State, StrEnum
+from ..base.units import format_age
 from ..state.sockdiag import Bind
 from .report import Decision
 from .scan import FileType
@@ -142,7 +143,8 @@ def young(c: Observed, policy: Policy, now: float) -> Decision | None:
     """Young while it changed less than the grace age ago: a starting serve's state looks dead for a moment."""
     age = now - c.mtime
     if age < policy.grace:
-        return decision(State.YOUNG, SharedReason.YOUNG, f"changed {age:.0f}s ago, grace is {policy.grace:.0f}s")
+        return decision(State.YOUNG, SharedReason.YOUNG,
+                        f"changed {format_age(age)} ago, grace is {format_age(policy.grace)}")
     return None
 
 

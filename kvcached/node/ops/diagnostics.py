@@ -571,18 +571,29 @@ def detect_engines(ctx: Context) -> DetectDocument:
 
 
 def check_engines(ctx: Context) -> list[CheckResult]:
-    """Each installed engine as its integration reports it (kvcached.detect/1): its line, the rest listed under it."""
+    """The running serves, from what each of their processes published (serves.py); when none runs, each
+    installed engine as this shell's environment has it (kvcached.detect/1), said to be the shell's."""
+    from .serves import find_serves, serve_lines
+
     g = Group.ENGINE
+    serves = find_serves(ctx.plan.facts, root=ctx.layout.root)
+    if serves:  # the serves' own word; the shell's environment is no evidence of theirs
+        return [CheckResult(s.name, g, Status(s.status), s.summary, s.fix, s.details, s.under)
+                for s in serve_lines(serves, kvctl=ctx.kvctl)]
+    where = "" if ctx.layout.root == "/" else f" with KVCACHED_ROOT={ctx.layout.root}"
+    shell = _r("engines", g, Status.SKIP, f"no serve of an engine kvcached integrates with runs{where}: the lines "
+               f"below are this shell's environment ({ctx.python}), not a serve's; run {ctx.kvctl} doctor engine "
+               "again once it runs")
     try:
         doc = ctx.engines
-    except DetectFailed as e:
+    except DetectFailed as e:  # one line: this shell's interpreter could not answer at all
         return _r("engines", g, e.status, e.summary, e.fix, **e.details)
     if not doc.engines:
         return _r("engines", g, Status.SKIP, "no engine kvcached integrates with is installed here")
     # The /proc pass only where a hazard names processes to look for.
     wanted = any(h.processes for s in doc.engines.values() for h in s.hazards)
     processes = list(ctx.plan.facts.processes.values()) if wanted else []
-    out: list[CheckResult] = []
+    out: list[CheckResult] = shell
     for name, section in doc.engines.items():
         out += engine_results(name, section, processes, kvctl=ctx.kvctl)
     return out
@@ -734,8 +745,8 @@ CHECKS: tuple[Check, ...] = (
     Check("engine-leftovers", Group.NODE, "what the engines, NCCL and CUDA IPC left that is provably dead",
           check_engine_leftovers),
     Check("pods", Group.NODE, "with -A: pod volumes and containers' shm holding dead leftovers", check_pods),
-    Check("engines", Group.ENGINE, "installed engines, as their integrations report them: kvcached's plugin and "
-          "patches, the engines' leak conditions, shapes not covered", check_engines),
+    Check("engines", Group.ENGINE, "the running serves: kvcached active in each, the patches each applied (as "
+          "they publish it); with none running, the installed engines as this shell has them", check_engines),
 )
 CHECK_NAMES = tuple(c.name for c in CHECKS)
 

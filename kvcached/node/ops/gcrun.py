@@ -92,6 +92,7 @@ class GcOptions(NamedTuple):
     rpc_dirs: Sequence[str] | None = None    # vLLM's RPC directories besides /tmp; None: VLLM_RPC_BASE_PATH
     all_places: bool = False           # -A: every place of the node, pods included (kvcached.node.places)
     kubelet_dir: str | None = None     # where -A finds the pods' volumes; None: KVCTL_KUBELET_DIR
+    every: float | None = None         # gc --every's DURATION, said in the metrics (the agent's runs, not cron's)
 
     @property
     def engine_pass(self) -> bool:
@@ -122,6 +123,7 @@ class GcResult(NamedTuple):
     place_errors: Sequence[str] = ()   # -A: what could not be read while finding places
     sight: Sight | None = None         # what the run could not see (sight.py): blind when it has reasons
     gpu: GpuReport | None = None       # the GPU holders, when the run judged engines
+    metrics_error: str | None = None   # why --prometheus was not written (a report, not a condition: the work stands)
 
     @property
     def report(self) -> Report:
@@ -201,17 +203,19 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
            progress: Callable[[Any], None] | None = None, confirm_gpu_kill: ConfirmGpuKill | None = None) -> GcResult:
     """Lock, plan, (kill orphans, plan again), confirm, act within the time budget, write metrics.
 
-    Raises gclock.LockBusy (metrics say so first), NoMatch, BadRequest, and
-    the errors of a bad metrics target before doing any work. `confirm` sees
-    every place's plans acted on as a dry run, the host's first (engine
-    leftovers too, when asked for).
+    Raises gclock.LockBusy (metrics say so first), NoMatch, BadRequest, and,
+    before any work, MetricsError for a metrics target that is no regular file
+    (a device, a FIFO, a directory). A metrics file that cannot be written is
+    the result's `metrics_error`, after the work. `confirm` sees every place's
+    plans acted on as a dry run, the host's first (engine leftovers too, when
+    asked for).
     """
     check_options(opts)
     started, wall_start = time.monotonic(), time.time()
     if opts.prometheus:
         from . import metrics  # only then: cron without metrics on a clean node stays fast
 
-        metrics.check_target(opts.prometheus)  # before any work: a bad target must not cost a run
+        metrics.refuse_non_file(opts.prometheus)  # `--prometheus /dev/null`: a mistake, said before any work
     lock = None
     if not opts.dry_run:  # a dry run changes nothing, so it neither needs nor blocks the lock
         from ..state.gclock import GcLock, LockBusy
@@ -219,11 +223,14 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
         lock = GcLock(opts.layout, proc_root=opts.proc_root)
         try:
             lock.acquire()
-        except LockBusy:
+        except LockBusy as busy:
             if opts.prometheus or opts.metrics_sink:
                 from . import metrics
 
-                metrics.write_lock_busy(opts.prometheus, wall_start, time.time(), sink=opts.metrics_sink)
+                try:
+                    metrics.write_lock_busy(opts.prometheus, wall_start, time.time(), sink=opts.metrics_sink)
+                except metrics.MetricsError as e:  # the busy lock is the news; the metrics are said beside it
+                    busy.args = (f"{busy}; metrics not written: {e}",)
             raise
     try:
         # Engine leftovers may sit where no kvcached name does (vLLM's sockets in /tmp): no shortcut then.
@@ -247,11 +254,15 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
     if opts.prometheus or opts.metrics_sink:
         from . import metrics
 
-        metrics.write_report(opts.prometheus, result.report,
-                             success=result.outcome is Outcome.CLEAN and not result.dry_run,
-                             orphans=len(result.orphans), started=wall_start,
-                             sink=opts.metrics_sink, blind=result.sight is not None and result.sight.blind,
-                             gpu=result.gpu, places=result.places if result.all_places else None)
+        try:
+            metrics.write_report(opts.prometheus, result.report,
+                                 success=result.outcome is Outcome.CLEAN and not result.dry_run,
+                                 orphans=len(result.orphans), started=wall_start,
+                                 sink=opts.metrics_sink, blind=result.sight is not None and result.sight.blind,
+                                 gpu=result.gpu, places=result.places if result.all_places else None,
+                                 every=opts.every)
+        except metrics.MetricsError as e:  # after the work: what was removed and kept is still reported
+            result = result._replace(metrics_error=str(e))
     return result
 
 

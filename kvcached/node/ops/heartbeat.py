@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from ..base.errors import KvcachedError
+from ..base.units import format_age
 
 # The file's own marker and version (not a kvctl document: nothing prints it, kvctl gc --check-heartbeat reads it).
 MARKER = "kvctl_heartbeat"
@@ -123,7 +124,8 @@ def check(path: str, max_age: float, now: float | None = None) -> Verdict:
         return Verdict(fresh=False, age=None, reason=str(e))
     # A clock stepped back makes the age negative: that beat is as fresh as one can be, not a failure.
     age = max(0.0, (time.time() if now is None else now) - beat.finished)
-    what = f"last run (#{beat.runs}, PID {beat.pid}, exit {beat.exit_code}) finished {age:.0f}s ago"
+    what = f"last run (#{beat.runs}, PID {beat.pid}, exit {beat.exit_code}) finished {format_age(age)} ago"
     if age > max_age:
-        return Verdict(fresh=False, age=age, reason=f"{path}: {what}, more than {max_age:g}s: the loop makes no runs")
+        return Verdict(fresh=False, age=age,
+                       reason=f"{path}: {what}, more than {format_age(max_age)}: the loop makes no runs")
     return Verdict(fresh=True, age=age, reason=f"{path}: {what}")

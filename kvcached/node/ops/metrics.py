@@ -88,7 +88,7 @@ def _metric(lines: list[str], name: str, kind: str, help_: str, samples: Samples
 
 def render(report: Report, *, success: bool, orphans: int = 0, last_success: float | None = None,
            started: float | None = None, blind: bool | None = None,
-           places: Sequence[PlaceResult] | None = None) -> str:
+           places: Sequence[PlaceResult] | None = None, every: float | None = None) -> str:
     """The textfile body for one run; `started` (default: the report's) times the whole run.
 
     The entry metrics count kvcached's part of the report; a run that also
@@ -97,7 +97,10 @@ def render(report: Report, *, success: bool, orphans: int = 0, last_success: flo
     whether the run could not see every process (sight.py); None writes no
     `kvctl_gc_blind` (a caller that did not ask). With `places` (gc -A:
     every place, the host's first), what is left by place kind
-    (render_places); the counts above stay the host's.
+    (render_places); the counts above stay the host's. `every`: gc --every's
+    DURATION, written as `kvctl_gc_every_seconds` by the agent's runs only, so
+    that an alert can tell the agent (which must judge the engines) from a
+    cron or systemd run.
     """
     lines: list[str] = []
     whole = report
@@ -125,6 +128,9 @@ def render(report: Report, *, success: bool, orphans: int = 0, last_success: flo
     metric("duration_seconds", "gauge", _HELP["duration_seconds"], [({}, round(whole.finished - begun, 6))])
     metric("last_run_timestamp_seconds", "gauge", _HELP["last_run_timestamp_seconds"],
            [({}, round(whole.finished, 3))])
+    if every is not None:
+        metric("every_seconds", "gauge", "gc --every's DURATION: the pause between the agent's runs (written by "
+               "the agent's runs only).", [({}, every)])
     if success:
         last_success = whole.finished
     if last_success is not None:
@@ -205,6 +211,21 @@ _KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFDIR: "a directory", stat.S_I
           stat.S_IFBLK: "a block device", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
 
 
+def refuse_non_file(path: str) -> None:
+    """Raise MetricsError when something that is not a regular file sits at `path`; anything else is left to the write.
+
+    gc asks this before any work: `--prometheus /dev/null` is a mistake in the
+    command line, said before the run. A target that merely cannot be written
+    (its directory missing, permissions, a read-only or full filesystem) is
+    found by the write, after the run has done and reported its work.
+    """
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    _refuse(path, st)
+
+
 def check_target(path: str) -> None:
     """Raise MetricsError unless `path` is absent or a regular file we may replace.
 
@@ -217,6 +238,10 @@ def check_target(path: str) -> None:
         return
     except OSError as e:
         raise MetricsError(f"{path}: cannot write metrics ({e.strerror})") from None
+    _refuse(path, st)
+
+
+def _refuse(path: str, st: os.stat_result) -> None:
     if not stat.S_ISREG(st.st_mode):
         kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
         raise MetricsError(f"{path} is {kind}, not a regular file: metrics are not written over it; give a "
@@ -230,6 +255,13 @@ def write_textfile(path: str, body: str) -> None:
     check_target(path)
     try:
         replace_file(path, body, check=lambda: check_target(path))
+    except FileNotFoundError:
+        # The common case on a node without node_exporter (or with Debian's, which reads
+        # /var/lib/prometheus/node-exporter): said as what it is, not as errno's words.
+        directory = os.path.dirname(os.path.abspath(path)) or "."
+        raise MetricsError(f"{path}: cannot write metrics: the directory {directory} does not exist (is "
+                           "node_exporter's textfile collector set up here? --prometheus names a file in its "
+                           "--collector.textfile.directory)") from None
     except OSError as e:  # a MetricsError from the check is no OSError: it goes on as it is
         why = e.strerror or errno.errorcode.get(e.errno or 0, str(e))
         raise MetricsError(f"{path}: cannot write metrics ({why})") from None
@@ -254,13 +286,14 @@ def _put(path: str | None, sink: Sink | None, body: str) -> None:
 
 def write_report(path: str | None, report: Report, *, success: bool, orphans: int = 0,
                  started: float | None = None, sink: Sink | None = None,
-                 blind: bool | None = None, gpu: Any = None, places: Sequence[PlaceResult] | None = None) -> None:
+                 blind: bool | None = None, gpu: Any = None, places: Sequence[PlaceResult] | None = None,
+                 every: float | None = None) -> None:
     """Render one run's metrics to the textfile `path` and/or `sink`, keeping the last success of failed runs.
 
     `gpu` (a gpu.GpuReport, from runs that judged engines) adds the GPU holders' metrics."""
     last = _value_in(_previous_text(path, sink), f"{PREFIX}_last_success_timestamp_seconds")
     body = render(report, success=success, orphans=orphans, last_success=last, started=started, blind=blind,
-                  places=places)
+                  places=places, every=every)
     if gpu is not None:
         from ..gpu.metrics import render_gpu
 
