@@ -188,6 +188,17 @@ def absolute_path(raw: str) -> str:
     return path
 
 
+def percent(raw: str) -> float:
+    """A share of a whole in percent, above 0 and at most 100 (`85`, `85%`)."""
+    try:
+        value = float(raw.strip().removesuffix("%"))
+    except ValueError:
+        raise ValueError("not a number of percent") from None
+    if not 0 < value <= 100:
+        raise ValueError("not above 0 and at most 100 percent")
+    return value
+
+
 def text(raw: str) -> str:
     """Any text, as set."""
     return raw
@@ -289,6 +300,12 @@ KVCTL_KUBELET_DIR = Setting("KVCTL_KUBELET_DIR", "path", "/var/lib/kubelet",
 KVCTL_SANDBOX_ROOT = Setting("KVCTL_SANDBOX_ROOT", "path", "/",
                              "re-bases the container runtimes' sandbox directories that kvctl -A looks in "
                              "(SANDBOX_SHM; a DaemonSet that mounts the host's under /host, tests)", absolute_path)
+# doctor's `capacity` check (docs/PLACES.md §5): a place this full warns, then fails; the alerts
+# (contrib/prometheus/kvctl-gc-rules.yml) fire at the same defaults.
+KVCTL_CAPACITY_WARN = Setting("KVCTL_CAPACITY_WARN", "percent", 85.0,
+                              "doctor's capacity check warns when a place's filesystem is this full (percent)", percent)
+KVCTL_CAPACITY_FAIL = Setting("KVCTL_CAPACITY_FAIL", "percent", 95.0,
+                              "doctor's capacity check fails when a place's filesystem is this full (percent)", percent)
 
 # The container runtimes' per-sandbox /dev/shm mounts, each (runtime, directory of sandboxes, the shm mount below
 # one sandbox's entry): a tmpfs mounted at <directory>/<id>/<below> is that sandbox's /dev/shm, shared by its
@@ -309,4 +326,5 @@ ALL: tuple[Setting[Any], ...] = (
     PUBLISH_INTERVAL_S, OWNER_EXIT_WAIT_S, OWNER_RETRY_S, STARTUP_SWEEP, STARTUP_SWEEP_ENGINES, PAGE_SIZE,
     ELASTIC_RESERVE_PAGES, ELASTIC_RELEASE_DELAY_S, NVIDIA_GPUS_DIR, NO_CUDA, REQUIRE_EXT, VLLM_RPC_BASE_PATH,
     KVCTL_ROOT, KVCTL_LOCK, KVCTL_EVERY_MIN_S, KVCTL_KUBELET_DIR, KVCTL_SANDBOX_ROOT,
+    KVCTL_CAPACITY_WARN, KVCTL_CAPACITY_FAIL,
 )

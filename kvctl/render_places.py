@@ -11,13 +11,37 @@ if TYPE_CHECKING:
     from kvcached.node import GcResult, Place, PlaceResult
 
 
-def _heading(out: Out, place: Place, stale_bytes: int, stale: int) -> None:
+def _heading(out: Out, place: Place, stale_bytes: int, stale: int, result: PlaceResult | None = None) -> None:
     from kvcached.node import format_size
 
     dead = f": {stale} stale" if stale else ""
     if stale_bytes:
         dead += f", {format_size(stale_bytes)} held by dead engine leftovers"
     out.line((f"== {place.label}", "bold"), dead)
+    if result is not None:
+        _fill_lines(out, result)
+
+
+def _fill_lines(out: Out, result: PlaceResult) -> None:
+    """The place's use as a percentage of its size, what fills it by kind, and its largest entries."""
+    from kvcached.node import fill_summary, format_size, largest_summary
+
+    w = result.what_fills()
+    if w is None:
+        return
+    f = w.fill
+    pct = f.percent
+    if pct is None:
+        out.line("fill: ", ("unknown", "yellow"), f" ({f.error})" if f.error else "", indent=3)
+        return
+    from kvcached import settings
+
+    style = ("red" if pct >= settings.KVCTL_CAPACITY_FAIL.get() else
+             "yellow" if pct >= settings.KVCTL_CAPACITY_WARN.get() else "green")
+    out.line("fill: ", (f"{pct:.0f}%", style), f" of {format_size(f.capacity_bytes)} used "
+             f"({format_size(f.used_bytes)}): {fill_summary(w)}", indent=3)
+    if w.largest:
+        out.line("largest: ", largest_summary(w.largest), indent=3)
 
 
 def _with_all(hint: Callable[[str], str]) -> Callable[[str], str]:
@@ -34,7 +58,7 @@ def render_places_view(out: Out, places: Sequence[PlaceResult], *, now: float, h
         if i:
             out.blank()
         d = pv.to_dict()
-        _heading(out, pv.place, d["stale_bytes"], d["stale_entries"])
+        _heading(out, pv.place, d["stale_bytes"], d["stale_entries"], pv)
         here = hint if pv.place.is_host else _with_all(hint)
         if pv.view is not None and (pv.place.is_host or pv.view.deployments or pv.view.unowned):
             render_view(out, pv.view, now=now, hint=here)

@@ -108,7 +108,7 @@ SGLANG_TESTS = "tests/sglang/"
 NODE_WIDE = ("tests/cli/test_gpu_cli.py", "tests/fs/test_gpu_holders.py", "tests/cli/test_commands.py")
 # The files whose kvctl -A runs act on every place of the machine: one at a time, or one would judge (and gc)
 # the other's pods and containers mid-test.
-PLACES_TESTS = ("tests/fs/test_places.py", "tests/fs/test_podman.py")
+PLACES_TESTS = ("tests/fs/test_places.py", "tests/fs/test_podman.py", "tests/fs/test_place_fill.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: absent without it, and then never called

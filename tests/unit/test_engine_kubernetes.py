@@ -301,10 +301,6 @@ def test_the_service_and_servicemonitor_reach_the_daemonsets_port() -> None:
     assert endpoint["port"] == svc_port["name"] and endpoint["path"] == "/metrics"
 
 
-# Metrics the alerts name that another part of issue 30 adds (the gc run that cannot see says so), and the places'
-# fill that issue 36 adds (its §2 names them and their labels; the alerts are written against that text); until
-# they are merged a run does not write them.
-PENDING = {"kvctl_gc_blind", "kvctl_place_capacity_bytes", "kvctl_place_used_bytes", "kvctl_place_stale_bytes"}
 # Written by the agent's runs only (gc --every): tests/cli/test_metrics_report.py runs one.
 LOOP_ONLY = {"kvctl_gc_every_seconds"}
 
@@ -326,7 +322,7 @@ def test_every_alert_names_metrics_a_run_writes(tmp_path: Path) -> None:
     rules = [r for g in _one("PrometheusRule")["spec"]["groups"] for r in g["rules"]]
     written = _written_metrics(tmp_path)
     named = {m for r in rules for m in re.findall(r"\bkvctl_[a-z_]+\b", r["expr"])}
-    assert named - written <= (PENDING | LOOP_ONLY) - written, named - written
+    assert named - written <= LOOP_ONLY - written, named - written
     alerts = {r["alert"]: r for r in rules}
     # The four the agent needs: bytes it cannot free, no clean run, a blind run, no engine metrics.
     assert {"KvctlGcStaleBytes", "KvctlGcNoRecentSuccess", "KvctlGcBlind", "KvctlGcEngineMetricsAbsent"} <= set(alerts)

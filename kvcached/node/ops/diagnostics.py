@@ -33,6 +33,8 @@ from .view import NodeView, build_view
 
 if TYPE_CHECKING:  # the engine pass is imported by the one check that asks for it
     from ..clean.leftovers.act import EnginePlan
+    from ..places.run import PlacesPlan
+    from .rounds import PlaceResult
 
 
 class Status(StrEnum):
@@ -97,6 +99,26 @@ class Context:
 
         return plan_engines(self.layout, self.policy, facts=self.plan.facts, rpc_dirs=rpc_dirs(self.layout.root),
                             proc_root=self.proc_root)
+
+    @cached_property
+    def places_plan(self) -> PlacesPlan:
+        """Every place's plans from the plan's own /proc pass, the host's first (doctor -A: `pods`, `capacity`)."""
+        from ..places.run import plan_places
+
+        return plan_places(self.layout, self.policy, self.plan.facts, kvcached=True, engines=True,
+                           kubelet_dir=self.kubelet_dir, host_plan=self.plan, proc_root=self.proc_root)
+
+    @cached_property
+    def place_results(self) -> list[PlaceResult]:
+        """Every place doctor looks at (with -A; the host's alone without), each with its fill measured."""
+        from ..base.place import HOST
+        from ..places.fill import measure
+        from ..places.run import PlacePlan
+        from .rounds import PlaceResult
+
+        plans = (self.places_plan.plans if self.all_places
+                 else [PlacePlan(HOST._replace(path=self.layout.root), self.plan, self.engine_plan)])
+        return [PlaceResult(p, fill=measure(p.place)) for p in plans]
 
     @cached_property
     def view(self) -> NodeView:
@@ -706,8 +728,7 @@ def check_pods(ctx: Context) -> list[CheckResult]:
     from ..base.units import format_size
     from ..places.doctor import dead_places
 
-    dead, n, errors = dead_places(ctx.layout, ctx.policy, ctx.plan.facts, host_plan=ctx.plan,
-                                  kubelet_dir=ctx.kubelet_dir, proc_root=ctx.proc_root)
+    dead, n, errors = dead_places(ctx.layout, ctx.policy, ctx.plan.facts, pp=ctx.places_plan)
     out: list[CheckResult] = []
     for d in dead:
         out += _r("pods", g, Status.WARN,
@@ -720,6 +741,16 @@ def check_pods(ctx: Context) -> list[CheckResult]:
     unread = f"; could not read: {'; '.join(errors[:3])}" if errors else ""
     return _r("pods", g, Status.OK, f"{n} place(s) besides the host's, none with dead leftovers{unread}",
               places=n, errors=errors)
+
+
+def check_capacity(ctx: Context) -> list[CheckResult]:
+    """How full each place is (the host's; with -A every place): warn and fail at KVCTL_CAPACITY_WARN and _FAIL."""
+    from ..places.doctor import capacity_findings
+
+    found = capacity_findings(ctx.place_results, warn=settings.KVCTL_CAPACITY_WARN.get(ctx.environ),
+                              fail=settings.KVCTL_CAPACITY_FAIL.get(ctx.environ), kvctl=ctx.kvctl)
+    return [CheckResult("capacity", Group.NODE, Status(status), summary, fix, details)
+            for status, summary, fix, details in found]
 
 
 CHECKS: tuple[Check, ...] = (
@@ -745,6 +776,8 @@ CHECKS: tuple[Check, ...] = (
     Check("engine-leftovers", Group.NODE, "what the engines, NCCL and CUDA IPC left that is provably dead",
           check_engine_leftovers),
     Check("pods", Group.NODE, "with -A: pod volumes and containers' shm holding dead leftovers", check_pods),
+    Check("capacity", Group.NODE, "how full each place is (with -A every pod's) and what fills it",
+          check_capacity),
     Check("engines", Group.ENGINE, "the running serves: kvcached active in each, the patches each applied (as "
           "they publish it); with none running, the installed engines as this shell has them", check_engines),
 )

@@ -246,7 +246,8 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
             now = time.time()
             # No pass ran (nothing here could be ours): sight from the credentials and the /proc mount alone.
             empty = Report(dry_run=opts.dry_run, entries=[], errors=[], started=now, finished=now)
-            result = GcResult(places=[PlaceResult(PlacePlan(HOST), empty)], dry_run=opts.dry_run,
+            host = PlacePlan(HOST._replace(path=opts.layout.root))
+            result = GcResult(places=[PlaceResult(host, empty)], dry_run=opts.dry_run,
                               outcome=Outcome.CLEAN, orphans=[], sight=assess(opts.proc_root))
     finally:
         if lock is not None:
@@ -260,7 +261,7 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
                                  orphans=len(result.orphans), started=wall_start,
                                  sink=opts.metrics_sink, blind=result.sight is not None and result.sight.blind,
                                  gpu=result.gpu, places=result.places if result.all_places else None,
-                                 every=opts.every)
+                                 every=opts.every, fills=result.places)
         except metrics.MetricsError as e:  # after the work: what was removed and kept is still reported
             result = result._replace(metrics_error=str(e))
     return result

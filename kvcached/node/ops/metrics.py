@@ -76,8 +76,8 @@ def _value_in(text: str, metric: str) -> float | None:
 Samples = Iterable[tuple[dict[str, str], float]]
 
 
-def _metric(lines: list[str], name: str, kind: str, help_: str, samples: Samples) -> None:
-    full = f"{PREFIX}_{name}"
+def _metric(lines: list[str], name: str, kind: str, help_: str, samples: Samples, *, prefix: str = PREFIX) -> None:
+    full = f"{prefix}_{name}"
     lines.append(f"# HELP {full} {help_}")
     lines.append(f"# TYPE {full} {kind}")
     for labels, value in samples:
@@ -177,6 +177,46 @@ def render_places(places: Sequence[PlaceResult]) -> str:
     _metric(lines, "engine_stale_bytes_max_place", "gauge",
             "The most bytes stale engine leftovers left after the last run hold in one place other than the host's.",
             [({}, worst)])
+    return "\n".join(lines) + "\n"
+
+
+# Each place's series carry these labels (an empty one is no label to Prometheus): what names the place's pod,
+# and `volume` and `device`, without which two volumes of one pod, or two places of no pod, would be one series.
+PLACE_LABELS = ("kind", "pod_uid", "pod", "namespace", "container", "volume", "device")
+
+
+def render_place_fill(places: Sequence[PlaceResult]) -> str:
+    """Every place's size, use and stale bytes left (kvctl_place_*): one series per place this run found.
+
+    The series of a place that is gone are not written again: the textfile and
+    the endpoint's body are replaced whole by each run, so the cardinality is
+    this node's places, never every pod that ever lived. Places that are one
+    filesystem under the same labels (two PrivateTmp= directories of the root
+    filesystem) are one series, their stale bytes summed. An unmeasured fill
+    writes no size and no use (no series is no false zero).
+    """
+    from ..places.fill import measure
+
+    rows: dict[tuple[str, ...], list[int | None]] = {}
+    for r in places:
+        fill = r.fill if r.fill is not None else measure(r.place)
+        p = r.place
+        labels = (str(p.kind), p.pod_uid or "", p.pod or "", p.namespace or "", p.container or "", p.volume or "",
+                  fill.device or "")
+        left = r.report.stale_remaining if r.report is not None else []
+        row = rows.setdefault(labels, [fill.capacity_bytes, fill.used_bytes, 0])
+        row[2] = (row[2] or 0) + sum(e.bytes for e in left)
+
+    def samples(i: int) -> Samples:
+        return [({k: v for k, v in zip(PLACE_LABELS, labels) if v}, value)
+                for labels, row in rows.items() if (value := row[i]) is not None]
+
+    lines: list[str] = []
+    for i, (name, help_) in enumerate((
+            ("capacity_bytes", "The size of each place's filesystem (statvfs), by place."),
+            ("used_bytes", "What each place's filesystem has in use (statvfs), by place."),
+            ("stale_bytes", "Bytes the stale engine leftovers left in each place after the last run hold."))):
+        _metric(lines, name, "gauge", help_, samples(i), prefix="kvctl_place")
     return "\n".join(lines) + "\n"
 
 
@@ -287,10 +327,11 @@ def _put(path: str | None, sink: Sink | None, body: str) -> None:
 def write_report(path: str | None, report: Report, *, success: bool, orphans: int = 0,
                  started: float | None = None, sink: Sink | None = None,
                  blind: bool | None = None, gpu: Any = None, places: Sequence[PlaceResult] | None = None,
-                 every: float | None = None) -> None:
+                 every: float | None = None, fills: Sequence[PlaceResult] = ()) -> None:
     """Render one run's metrics to the textfile `path` and/or `sink`, keeping the last success of failed runs.
 
-    `gpu` (a gpu.GpuReport, from runs that judged engines) adds the GPU holders' metrics."""
+    `gpu` (a gpu.GpuReport, from runs that judged engines) adds the GPU holders' metrics; `fills` (every
+    place the run judged, with -A or without) each place's size and use (render_place_fill)."""
     last = _value_in(_previous_text(path, sink), f"{PREFIX}_last_success_timestamp_seconds")
     body = render(report, success=success, orphans=orphans, last_success=last, started=started, blind=blind,
                   places=places, every=every)
@@ -298,6 +339,8 @@ def write_report(path: str | None, report: Report, *, success: bool, orphans: in
         from ..gpu.metrics import render_gpu
 
         body += render_gpu(gpu)
+    if fills:
+        body += render_place_fill(fills)
     _put(path, sink, body)
 
 

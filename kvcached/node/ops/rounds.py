@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ..base.place import Place
     from ..clean.cleanup import Plan
     from ..clean.report import Entry, Report
+    from ..places.fill import Fill, WhatFills
     from ..places.run import PlacePlan, PlacesPlan, Scope
     from .view import NodeView
 
@@ -35,6 +36,7 @@ class PlaceResult(NamedTuple):
     report: Report | None = None
     view: NodeView | None = None
     errors: tuple[str, ...] = ()  # inspect's host: what could not be read while finding the places
+    fill: Fill | None = None  # its filesystem's size and use, measured after the act (places/fill.py)
 
     @property
     def place(self) -> Place:
@@ -67,6 +69,14 @@ class PlaceResult(NamedTuple):
             return self.report.bytes(state=State.STALE)
         return sum(e.bytes for e in self.engine_entries() if e.state is State.STALE)
 
+    def what_fills(self) -> WhatFills | None:
+        """Its fill and what makes it up: the engines' leftovers still there, by kind, and the largest."""
+        if self.fill is None:
+            return None
+        from ..places.fill import what_fills
+
+        return what_fills(self.fill, self.engine_entries())
+
     def all_errors(self) -> list[str]:
         """What could not be read about the place and in what was done there, each once.
 
@@ -91,6 +101,8 @@ class PlaceResult(NamedTuple):
         hold; inspect's (no report: a view) also counts its deployments."""
         place = self.place
         out: dict[str, Any] = {**place.to_dict(), "label": place.label, "errors": self.all_errors()}
+        fills = self.what_fills()
+        out.update(fills.to_dict() if fills is not None else _UNMEASURED)
         report = self.report
         if report is not None:
             return {**out, "entries": len(report.entries), "stale_entries": report.count(state=State.STALE),
@@ -104,12 +116,19 @@ class PlaceResult(NamedTuple):
                 "stale_bytes": self.stale_bytes()}
 
 
+# A place whose fill was not measured (gc's shortcut when nothing could be judged) says so with nulls.
+_UNMEASURED: dict[str, Any] = {"capacity_bytes": None, "used_bytes": None, "used_percent": None,
+                               "capacity_error": None, "fills": None}
+
+
 def act(plan: PlacePlan, *, dry_run: bool, time_limit: float | None = None,
         progress: Callable[[Entry[Any]], None] | None = None) -> PlaceResult:
     """The guarded act inside one planned place (places.run.act_place), as that place's result."""
+    from ..places.fill import measure
     from ..places.run import act_place
 
-    return PlaceResult(plan, act_place(plan, dry_run=dry_run, time_limit=time_limit, progress=progress))
+    report = act_place(plan, dry_run=dry_run, time_limit=time_limit, progress=progress)
+    return PlaceResult(plan, report, fill=measure(plan.place))
 
 
 def judge_place(place: Place, scope: Scope, *, dry_run: bool, time_limit: float | None = None,
@@ -129,13 +148,14 @@ def would_remove(results: Iterable[PlaceResult]) -> int:
 def view_places(pp: PlacesPlan, host_view: NodeView) -> list[PlaceResult]:
     """inspect -A: every place's plans and view, the host's first (`host_view`: the host's NodeView, made from the
     plan every place's evidence came from)."""
+    from ..places.fill import measure
     from .view import build_view
 
     out = []
     for plan in pp.plans:
         if plan.place.is_host:
-            out.append(PlaceResult(plan, view=host_view, errors=tuple(pp.errors)))
+            out.append(PlaceResult(plan, view=host_view, errors=tuple(pp.errors), fill=measure(plan.place)))
         else:
             view = build_view(plan.plan, namespaces=False) if plan.plan is not None else None
-            out.append(PlaceResult(plan, view=view))
+            out.append(PlaceResult(plan, view=view, fill=measure(plan.place)))
     return out

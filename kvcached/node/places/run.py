@@ -126,7 +126,8 @@ def scope_of(layout: Layout, policy: Policy, facts: Facts, *, every_place: bool 
     """
     from .discover import Places, discover
 
-    places = discover(facts, layout, kubelet_dir=kubelet_dir) if every_place else Places(HOST, [])
+    host = HOST._replace(path=layout.root)
+    places = discover(facts, layout, kubelet_dir=kubelet_dir) if every_place else Places(host, [])
     if engines:
         facts.also_map(pl.dev for pl in places.others if pl.dev is not None)
     return Scope(layout=layout, policy=policy, facts=facts, places=places, now=time.time() if now is None else now,
