@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from kvcached.node import Entry, Report
 
 _VERBS = {Action.REMOVED: "Removed", Action.WOULD_REMOVE: "Would remove", Action.KEPT: "Kept", Action.FAILED: "FAILED"}
-TITLE = "Engine leftovers (vLLM, SGLang, NCCL, CUDA IPC: not kvcached's; each on its own evidence)"
+TITLE = ("Engine leftovers (vLLM, SGLang, NCCL, CUDA IPC, torch, Python's semaphores: not kvcached's; each on "
+         "its own evidence)")
 
 
 def _size(n: int) -> str:

@@ -38,6 +38,8 @@ class KindChoice(StrEnum):
     SGLANG_IPC = "sglang-ipc"
     NCCL_SHM = "nccl-shm"
     CUDA_SHM = "cuda-shm"
+    TORCH_SHM = "torch-shm"
+    PYTHON_SEM = "python-sem"
 
 
 # Each choice as the node layer's member (a test holds the choices to Kind and EngineKind).

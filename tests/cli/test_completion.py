@@ -110,7 +110,7 @@ def test_bash_completes_commands_options_choices_and_checks() -> None:
     assert bash("kvctl gc --dry-run --d") == []  # an option given once is not offered again
     # kvcached's kinds, then the engines' (the engine pass's), in their enums' order
     assert bash("kvctl gc --kind ") == ["segment", "socket", "directory", "vllm-shm", "vllm-ipc", "sglang-shm",
-                                        "sglang-ipc", "nccl-shm", "cuda-shm"]
+                                        "sglang-ipc", "nccl-shm", "cuda-shm", "torch-shm", "python-sem"]
     assert bash("kvctl gc --kind sglang-") == ["sglang-shm", "sglang-ipc"]
     assert bash("kvctl gc --kind n") == ["nccl-shm"]
     assert bash("kvctl gc --kind=so") == ["socket"]

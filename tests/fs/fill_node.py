@@ -65,7 +65,8 @@ def main(base: str, kvctl: str) -> dict:
                                "f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0); f.close()\n"
                                "print('ready', flush=True); sys.stdin.read()", live],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    out: dict = {"dead_host": dead_host, "live": live, "dead_pod": dead_pod, "holder": holder.pid, "vol": vol}
+    out: dict = {"root": f"{base}/root", "dead_host": dead_host, "live": live, "dead_pod": dead_pod,
+                 "holder": holder.pid, "vol": vol}
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
         a = ("-A", "--kubelet-dir", kubelet)

@@ -34,7 +34,7 @@ def test_the_cheap_prefixes_cover_every_family_in_dev_shm() -> None:
     from kvcached.node.clean.present import ENGINE_SHM_PREFIXES
 
     shm = [f for f in FAMILIES if f.where is Where.SHM]
-    assert len(shm) == 9
+    assert len(shm) == 12
     for fam in shm:
         raw = fam.pattern.pattern.removeprefix("(?P<group>")
         m = re.match(r"(?:[A-Za-z0-9_-]|\\\.)+", raw)

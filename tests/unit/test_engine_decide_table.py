@@ -39,10 +39,13 @@ CUDA = cand("cuda.shm.3e9.52f2.1")
 LOADS = cand("sglang_loads_default_0a1b2c3d.shm")
 SGL = cand("sgl_shm_mm_4242_deadbeef")
 ARGS = cand("multi_tokenizer_args_4242")
+TORCH = cand("torch_4242_3262000796_0")
+SEM = cand("sem.mp-ab12cd_9", mode=0o600, size=32)
+LOKY = cand("sem.loky-4242-ab12cd_9", mode=0o600, size=32)
 IPC = cand("0a1b2c3d-e4f5-4a6b-8c7d-e8f9a0b1c2d3", Where.RPC, mode=0o755, size=0, allocated=0)
 SGL_IPC = cand("tmpab12cd_9", Where.RPC, ident=(1, 200), mode=0o755, size=0, allocated=0)
 EV = EngineEvidence()
-SHM_FILES = [PSM, NCCL, CUDA, LOADS, SGL, ARGS]
+SHM_FILES = [PSM, NCCL, CUDA, LOADS, SGL, ARGS, TORCH, SEM, LOKY]
 
 
 def ev(**kw: object) -> EngineEvidence:
@@ -112,6 +115,22 @@ CASES = [
     ("tokenizer args stale: creator gone", ARGS, EV, USER, State.STALE, EngineReason.CREATOR_GONE),
     ("tokenizer args live: creator alive", ARGS, ev(by_any_pid={4242: (Proc(4242, OLD - 10),)}), USER,
      State.LIVE, EngineReason.CREATOR_ALIVE),
+    # torch's file_system shares: the PID in the name, with its start time, or a process mapping it
+    ("torch live: its creator alive (a sender's share not yet opened by its receiver)", TORCH,
+     ev(by_any_pid={4242: (Proc(4242, OLD - 10),)}), USER, State.LIVE, EngineReason.CREATOR_ALIVE),
+    ("torch live: its receiver maps it, the creator gone", TORCH, ev(mapped={TORCH.ident: (9,)}), USER,
+     State.LIVE, EngineReason.MAPPED),
+    ("torch stale: creator gone, nothing maps it", TORCH, EV, USER, State.STALE, EngineReason.CREATOR_GONE),
+    ("torch stale: PID now a later process's", TORCH, ev(by_any_pid={4242: (Proc(4242, OLD + 5),)}), USER,
+     State.STALE, EngineReason.PID_REUSED),
+    # multiprocessing's semaphores: every process that has one open maps it
+    ("semaphore live: mapped", SEM, ev(mapped={SEM.ident: (7, 8)}), USER, State.LIVE, EngineReason.MAPPED),
+    ("semaphore stale: nothing maps it", SEM, EV, USER, State.STALE, EngineReason.UNUSED),
+    ("semaphore young", SEM._replace(mtime=NOW - 5), EV, USER, State.YOUNG, Shared.YOUNG),
+    ("loky semaphore live: its creator alive", LOKY, ev(by_any_pid={4242: (Proc(4242, OLD - 10),)}), USER,
+     State.LIVE, EngineReason.CREATOR_ALIVE),
+    ("loky semaphore stale: creator gone, nothing maps it", LOKY, EV, USER, State.STALE,
+     EngineReason.CREATOR_GONE),
     # vLLM's ZMQ IPC sockets: a bound socket, by identity; never a connect
     ("ipc live: listed by identity", IPC, ev(listeners={IPC.ident: (5,)}), USER, State.LIVE,
      Shared.LISTENING),
@@ -204,6 +223,6 @@ def test_foreign_members_are_no_evidence_and_stale_regions_stay_stale() -> None:
 
 def test_the_family_kinds_are_the_documented_ones() -> None:
     assert [str(k) for k in EngineKind] == ["vllm-shm", "vllm-ipc", "sglang-shm", "sglang-ipc", "nccl-shm",
-                                            "cuda-shm"]
+                                            "cuda-shm", "torch-shm", "python-sem"]
     assert {c.kind for c in SHM_FILES} | {IPC.kind, SGL_IPC.kind} == set(EngineKind)
     assert (IPC.kind, SGL_IPC.kind, SGL_IPC.engine) == (EngineKind.VLLM_IPC, EngineKind.SGLANG_IPC, Engine.SGLANG)

@@ -93,6 +93,10 @@ def test_vllm_033_generates_names_that_match() -> None:
     (Where.SHM, "sglang_loads_my.ipc-name_0a1b2c3d.shm", EngineKind.SGLANG_SHM, None, None),
     (Where.SHM, "nccl-Ab3dE9", EngineKind.NCCL_SHM, None, None),
     (Where.SHM, "cuda.shm.3e9.52f2.1", EngineKind.CUDA_SHM, None, None),
+    (Where.SHM, "torch_5650_3262000796_0", EngineKind.TORCH_SHM, 5650, None),
+    (Where.SHM, "torch_1_0_18446744073709551615", EngineKind.TORCH_SHM, 1, None),
+    (Where.SHM, "sem.mp-ab12cd_9", EngineKind.PYTHON_SEM, None, None),
+    (Where.SHM, "sem.loky-31337-ab12cd_9", EngineKind.PYTHON_SEM, 31337, None),
     (Where.RPC, str(uuid.UUID(int=0x1234, version=4)), EngineKind.VLLM_IPC, None, None),
     (Where.RPC, "tmpab12cd_9", EngineKind.SGLANG_IPC, None, None),
     (Where.RPC, "tmp________", EngineKind.SGLANG_IPC, None, None),
@@ -127,6 +131,20 @@ LOOKALIKES = [
     "sglang_loads_default.shm",
     "sglang_loads_default_0a1b2c3d",
     "nccl-Ab3dE",             # mkstemp fills exactly six
+    "torch_5650_3262000796",  # torch 2.13 always appends the counter
+    "torch_0_1_2",            # PID 0 is no process
+    "torch_5650_03262000796_0",  # std::to_string writes no leading zero
+    "torch_5650_42949672950_0",  # random_device() is 32 bits: ten digits at most
+    "torch_x_1_2",
+    "torch_5650_1_2.bak",
+    "sem.mp-ab12cd_",         # tempfile's sequence draws exactly eight
+    "sem.mp-ab12cd_9x",
+    "sem.mp-AB12CD_9",        # lowercase only
+    "sem.mp_ab12cd_9",
+    "sem.loky-0-ab12cd_9",
+    "sem.loky-x-ab12cd_9",
+    "sem.loky-31337-ab12cd",
+    "sem.other-ab12cd_9",     # any other program's semaphore
     "nccl-Ab3dE9x",
     "nccl-Ab3_E9",
     "nccl-shm-recv-1",
@@ -135,7 +153,6 @@ LOOKALIKES = [
     "cuda.shm.3e9.xyz.1",
     "kvcached_vLLM_4242",     # ours, never an engine's
     "sem.loky-0-testonly",
-    "torch_4242_1_0",
 ]
 
 

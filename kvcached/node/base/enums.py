@@ -59,6 +59,8 @@ class EngineKind(StrEnum):
     SGLANG_IPC = "sglang-ipc"  # SGLang's ZMQ IPC sockets (/tmp/tmp<8 of tempfile's characters>)
     NCCL_SHM = "nccl-shm"      # nccl-*
     CUDA_SHM = "cuda-shm"      # cuda.shm.*
+    TORCH_SHM = "torch-shm"    # torch_<pid>_<rand>_<n>: torch.multiprocessing's file_system sharing strategy
+    PYTHON_SEM = "python-sem"  # sem.mp-*, sem.loky-*: multiprocessing's and loky's named POSIX semaphores
 
 
 class Engine(StrEnum):
@@ -68,12 +70,15 @@ class Engine(StrEnum):
     SGLANG = "sglang"
     NCCL = "nccl"
     CUDA = "cuda"
+    TORCH = "torch"
+    PYTHON = "python"
 
 
 # Each engine leftover's kind to its engine (every family of a kind is one engine's: clean/leftovers/families.py).
 ENGINE_OF: dict[Kind | EngineKind, Engine] = {
     EngineKind.VLLM_SHM: Engine.VLLM, EngineKind.VLLM_IPC: Engine.VLLM, EngineKind.SGLANG_SHM: Engine.SGLANG,
     EngineKind.SGLANG_IPC: Engine.SGLANG, EngineKind.NCCL_SHM: Engine.NCCL, EngineKind.CUDA_SHM: Engine.CUDA,
+    EngineKind.TORCH_SHM: Engine.TORCH, EngineKind.PYTHON_SEM: Engine.PYTHON,
 }
 
 

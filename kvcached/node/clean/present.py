@@ -98,7 +98,7 @@ def deployment_names(root: str = "/") -> set[str]:
 # The first characters of every engine family's names in /dev/shm (kvcached.node.clean.leftovers.families; a test
 # holds the two together): a name without one is no engine's, and costs plain gc no pattern match.
 ENGINE_SHM_PREFIXES = ("psm_", "vllm_mm_", "vllm_offload_", "vllm_ec_", "sgl_shm_", "multi_tokenizer_args_",
-                       "sglang_loads_", "nccl-", "cuda.shm.")
+                       "sglang_loads_", "nccl-", "cuda.shm.", "torch_", "sem.mp-", "sem.loky-")
 _UUID_LEN = 36
 # SGLang's ZMQ sockets: tempfile's names, "tmp" and 8 characters (families.py).
 _TEMPFILE_PREFIX, _TEMPFILE_LEN = "tmp", 11

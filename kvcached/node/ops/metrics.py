@@ -193,7 +193,8 @@ def render_place_fill(places: Sequence[PlaceResult]) -> str:
     this node's places, never every pod that ever lived. Places that are one
     filesystem under the same labels (two PrivateTmp= directories of the root
     filesystem) are one series, their stale bytes summed. An unmeasured fill
-    writes no size and no use (no series is no false zero).
+    writes no size and no use, and a run that did not judge the engines'
+    leftovers no stale bytes (no series is no false zero: render_engines).
     """
     from ..places.fill import measure
 
@@ -203,21 +204,23 @@ def render_place_fill(places: Sequence[PlaceResult]) -> str:
         p = r.place
         labels = (str(p.kind), p.pod_uid or "", p.pod or "", p.namespace or "", p.container or "", p.volume or "",
                   fill.device or "")
-        left = r.report.stale_remaining if r.report is not None else []
-        row = rows.setdefault(labels, [fill.capacity_bytes, fill.used_bytes, 0])
-        row[2] = (row[2] or 0) + sum(e.bytes for e in left)
-
-    def samples(i: int) -> Samples:
-        return [({k: v for k, v in zip(PLACE_LABELS, labels) if v}, value)
-                for labels, row in rows.items() if (value := row[i]) is not None]
+        judged = r.report is not None and r.report.part(Source.ENGINES) is not None
+        left = sum(e.bytes for e in r.report.stale_remaining) if r.report is not None and judged else None
+        row = rows.setdefault(labels, [fill.capacity_bytes, fill.used_bytes, None])
+        if left is not None:
+            row[2] = (row[2] or 0) + left
 
     lines: list[str] = []
     for i, (name, help_) in enumerate((
             ("capacity_bytes", "The size of each place's filesystem (statvfs), by place."),
             ("used_bytes", "What each place's filesystem has in use (statvfs), by place."),
-            ("stale_bytes", "Bytes the stale engine leftovers left in each place after the last run hold."))):
-        _metric(lines, name, "gauge", help_, samples(i), prefix="kvctl_place")
-    return "\n".join(lines) + "\n"
+            ("stale_bytes", "Bytes the dead leftovers left in each place after the last run hold (written by "
+             "runs that judged them)."))):
+        samples = [({k: v for k, v in zip(PLACE_LABELS, labels) if v}, value)
+                   for labels, row in rows.items() if (value := row[i]) is not None]
+        if samples:
+            _metric(lines, name, "gauge", help_, samples, prefix="kvctl_place")
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def render_engines(report: Report) -> str:

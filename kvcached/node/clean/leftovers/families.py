@@ -1,8 +1,10 @@
 """The engines' leftover families: which names, where, and what evidence of life each carries.
 
 Each pattern is as tight as the code that makes the names allows (read from
-the installed sources: CPython 3.11's multiprocessing.shared_memory, vLLM
-0.33, SGLang's make_shm_name, load snapshots and ZMQ endpoints, NCCL's shmutils.cc). A name
+the installed sources: CPython 3.11's multiprocessing.shared_memory and
+synchronize, vLLM 0.33, SGLang's make_shm_name, load snapshots and ZMQ
+endpoints, NCCL's shmutils.cc, torch 2.13's file_system sharing, loky's
+semaphores). A name
 that matches none of them is never touched, however much it looks like one.
 """
 
@@ -97,6 +99,23 @@ FAMILIES: tuple[Family, ...] = (
     # The CUDA driver's IPC files: cuda.shm.<uid hex>.<pid hex>.<seq> (closed source: the shape seen on nodes).
     _f(EngineKind.CUDA_SHM, Engine.CUDA, Where.SHM, Evidence.USERS,
        rf"cuda\.shm\.{_HEX}{{1,8}}\.{_HEX}{{1,8}}\.{_HEX}{{1,16}}", "CUDA IPC"),
+    # torch.multiprocessing's file_system strategy (a DataLoader's workers, a queue of CPU tensors):
+    # at::NewProcessWideShmHandle, "/torch_" + getpid() + "_" + random_device() (an unsigned 32-bit number) + "_"
+    # + a per-process counter (uint64), all decimal. The creator maps it while its storage lives; a sender that
+    # dropped its tensor after put() leaves it to the receiver unmapped (its shared refcount keeps it), so its
+    # creator, alive, is the evidence until then. torch_shm_manager unlinks them only when every client is gone.
+    _f(EngineKind.TORCH_SHM, Engine.TORCH, Where.SHM, Evidence.CREATOR,
+       r"torch_(?P<pid>[1-9][0-9]{0,9})_(?:0|[1-9][0-9]{0,9})_(?:0|[1-9][0-9]{0,19})",
+       "torch's file_system sharing strategy (torch.multiprocessing, DataLoader workers)"),
+    # multiprocessing's SemLock under spawn and forkserver (fork unlinks the name at once): "/mp-" + 8 of
+    # tempfile's _RandomNameSequence, which sem_open stores as sem.<name>. Every process that has it open maps it
+    # (glibc's sem_open maps the file and closes the descriptor): a child given one through pickling opens it.
+    _f(EngineKind.PYTHON_SEM, Engine.PYTHON, Where.SHM, Evidence.USERS, r"sem\.mp-[a-z0-9_]{8}",
+       "multiprocessing's named semaphores (Lock, Semaphore, Queue under spawn and forkserver)"),
+    # loky (joblib's process pool) renames them "/loky-<pid>-<8 of the same sequence>", also for multiprocessing's
+    # own once loky is imported (it patches SemLock._make_name): the PID is its creator's.
+    _f(EngineKind.PYTHON_SEM, Engine.PYTHON, Where.SHM, Evidence.CREATOR,
+       r"sem\.loky-(?P<pid>[1-9][0-9]{0,9})-[a-z0-9_]{8}", "loky's and joblib's named semaphores"),
 )
 
 _BY_WHERE = {w: tuple(f for f in FAMILIES if f.where is w) for w in Where}
