@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # the engine pass is imported by the one check that asks for 
     from ..clean.leftovers.act import EnginePlan
     from ..places.run import PlacesPlan
     from .rounds import PlaceResult
+    from .serves import Serve
 
 
 class Status(StrEnum):
@@ -119,6 +120,13 @@ class Context:
         plans = (self.places_plan.plans if self.all_places
                  else [PlacePlan(HOST._replace(path=self.layout.root), self.plan, self.engine_plan)])
         return [PlaceResult(p, fill=measure(p.place)) for p in plans]
+
+    @cached_property
+    def serves(self) -> list[Serve]:
+        """The running serves of this root, from the plan's /proc pass (serves.find_serves)."""
+        from .serves import find_serves
+
+        return find_serves(self.plan.facts, root=self.layout.root)
 
     @cached_property
     def view(self) -> NodeView:
@@ -753,6 +761,26 @@ def check_capacity(ctx: Context) -> list[CheckResult]:
             for status, summary, fix, details in found]
 
 
+def check_small_shm(ctx: Context) -> list[CheckResult]:
+    """Each tensor- or pipeline-parallel serve whose ranks see a /dev/shm smaller than it needs (small_shm.py)."""
+    from .small_shm import parallel_needs, small_shm_findings
+
+    needs = parallel_needs(ctx.plan.facts, ctx.serves)
+    if not needs:
+        return _r("small-shm", Group.NODE, Status.OK, "no tensor- or pipeline-parallel serve runs here")
+    place_of: dict[str, str] = {}
+    for r in ctx.place_results if ctx.all_places else []:
+        if r.fill is not None and r.fill.device is not None:
+            place_of.setdefault(r.fill.device, r.place.label)
+    try:
+        st = os.stat(ctx.layout.shm_dir)
+        place_of.setdefault(f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}", f"the host's {ctx.layout.shm_dir}")
+    except OSError:
+        pass
+    return [CheckResult("small-shm", Group.NODE, Status(status), summary, fix, details)
+            for status, summary, fix, details in small_shm_findings(needs, place_of)]
+
+
 CHECKS: tuple[Check, ...] = (
     Check("shm", Group.ENVIRONMENT, "/dev/shm present, on tmpfs, with free space and inodes", check_shm),
     Check("tmp", Group.ENVIRONMENT, "/tmp sticky when world-writable", check_tmp),
@@ -778,6 +806,8 @@ CHECKS: tuple[Check, ...] = (
     Check("pods", Group.NODE, "with -A: pod volumes and containers' shm holding dead leftovers", check_pods),
     Check("capacity", Group.NODE, "how full each place is (with -A every pod's) and what fills it",
           check_capacity),
+    Check("small-shm", Group.NODE, "a /dev/shm smaller than the tensor- or pipeline-parallel serve that uses it "
+          "needs (Docker's 64 MiB default)", check_small_shm),
     Check("engines", Group.ENGINE, "the running serves: kvcached active in each, the patches each applied (as "
           "they publish it); with none running, the installed engines as this shell has them", check_engines),
 )
