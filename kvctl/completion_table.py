@@ -75,7 +75,7 @@ SPECS = {
         ],
     },
     'watch': {
-        'help': 'The list table every SEC seconds: redrawn...',
+        'help': "The list table and each place's fill every...",
         'options': [
             {'names': ['-n', '--interval', '-r', '--refresh'], 'value': True, 'multiple': False, 'hidden': False,
              'complete': None,
@@ -83,6 +83,14 @@ SPECS = {
                      "upstream's kvtop."},
             {'names': ['--count'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
              'help': 'Stop after N refreshes (0: until q or Ctrl-C).'},
+            {'names': ['-A', '--all-namespaces'], 'value': False, 'multiple': False, 'hidden': False,
+             'complete': None,
+             'help': 'Every place on the node, pods included: each /dev/shm and /tmp some process sees in its '
+                     "own mount namespace, the pods' memory-backed emptyDir volumes, the container runtimes' "
+                     'sandbox shm (docs/PLACES.md).'},
+            {'names': ['--kubelet-dir'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
+             'help': "With -A: the kubelet's directory, where pods/<uid>/volumes are (default: "
+                     'KVCTL_KUBELET_DIR).'},
             {'names': ['--root'], 'value': True, 'multiple': False, 'hidden': True, 'complete': None, 'help': ''},
             {'names': ['-v', '--verbose'], 'value': False, 'multiple': False, 'hidden': True, 'complete': None,
              'help': ''},
@@ -94,7 +102,7 @@ SPECS = {
         ],
     },
     'top': {
-        'help': 'A live view of every deployment: limit,...',
+        'help': 'A live view of every deployment (limit,...',
         'options': [
             {'names': ['-n', '--interval', '-r', '--refresh'], 'value': True, 'multiple': False, 'hidden': False,
              'complete': None,
@@ -102,6 +110,14 @@ SPECS = {
                      "upstream's kvtop."},
             {'names': ['--count'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
              'help': 'Stop after N refreshes (0: until q or Ctrl-C).'},
+            {'names': ['-A', '--all-namespaces'], 'value': False, 'multiple': False, 'hidden': False,
+             'complete': None,
+             'help': 'Every place on the node, pods included: each /dev/shm and /tmp some process sees in its '
+                     "own mount namespace, the pods' memory-backed emptyDir volumes, the container runtimes' "
+                     'sandbox shm (docs/PLACES.md).'},
+            {'names': ['--kubelet-dir'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
+             'help': "With -A: the kubelet's directory, where pods/<uid>/volumes are (default: "
+                     'KVCTL_KUBELET_DIR).'},
             {'names': ['--root'], 'value': True, 'multiple': False, 'hidden': True, 'complete': None, 'help': ''},
             {'names': ['-v', '--verbose'], 'value': False, 'multiple': False, 'hidden': True, 'complete': None,
              'help': ''},
@@ -121,6 +137,14 @@ SPECS = {
                      "upstream's kvtop."},
             {'names': ['--count'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
              'help': 'Stop after N refreshes (0: until q or Ctrl-C).'},
+            {'names': ['-A', '--all-namespaces'], 'value': False, 'multiple': False, 'hidden': False,
+             'complete': None,
+             'help': 'Every place on the node, pods included: each /dev/shm and /tmp some process sees in its '
+                     "own mount namespace, the pods' memory-backed emptyDir volumes, the container runtimes' "
+                     'sandbox shm (docs/PLACES.md).'},
+            {'names': ['--kubelet-dir'], 'value': True, 'multiple': False, 'hidden': False, 'complete': None,
+             'help': "With -A: the kubelet's directory, where pods/<uid>/volumes are (default: "
+                     'KVCTL_KUBELET_DIR).'},
             {'names': ['--root'], 'value': True, 'multiple': False, 'hidden': True, 'complete': None, 'help': ''},
             {'names': ['-v', '--verbose'], 'value': False, 'multiple': False, 'hidden': True, 'complete': None,
              'help': ''},

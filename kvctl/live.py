@@ -99,21 +99,58 @@ def _captured(draw: Draw, out: Out) -> Any:
     return Group(Text.from_ansi(buf.getvalue()), Text("q: quit", style="dim" if out.styled else ""))
 
 
-def draw_list(names: Sequence[str], plan_view: Callable[[Sequence[str]], Any]) -> Draw:
-    """The `watch` frame: the list table of the deployments matching `names` (all when empty)."""
+# How a frame finds the places to show: (the frame's view) -> [(Place, Fill)], the host's first; None: none shown.
+Places = Callable[[Any], Sequence[tuple[Any, Any]]]
+
+
+def places_of(root: str, *, every_place: bool, kubelet_dir: str | None) -> Places:
+    """The frame's places: the host's /dev/shm, or with -A every place, from the view's own /proc pass."""
+    from kvcached.node import Layout, place_fills
+
+    def find(view: Any) -> Sequence[tuple[Any, Any]]:
+        return place_fills(view.facts, Layout(root=root), every_place=every_place, kubelet_dir=kubelet_dir)
+    return find
+
+
+def draw_places(out: Out, fills: Sequence[tuple[Any, Any]]) -> None:
+    """Each place's fill: how full, of what size, with a bar; coloured at doctor capacity's thresholds."""
+    from kvcached import settings
+    from kvcached.node import format_size
+
+    warn, fail = settings.KVCTL_CAPACITY_WARN.get(), settings.KVCTL_CAPACITY_FAIL.get()
+    rows = []
+    for place, fill in fills:
+        pct = fill.percent
+        if pct is None:
+            rows.append([place.label, "-", "-", "-", "-", fill.error or ""])
+            continue
+        style = "bold red" if pct >= fail else "yellow" if pct >= warn else ""
+        filled = min(10, round(pct / 10))
+        rows.append([place.label, (f"{pct:.0f}%", style), format_size(fill.used_bytes),
+                     format_size(fill.capacity_bytes), "#" * filled + "." * (10 - filled), ""])
+    out.table(["PLACE", "USE%", "USED", "SIZE", "FILL", "NOTE"], rows, indent=0, fold=(0, 5))
+
+
+def draw_list(names: Sequence[str], plan_view: Callable[[Sequence[str]], Any], places: Places | None = None) -> Draw:
+    """The `watch` frame: the list table of the deployments matching `names` (all when empty), then the places."""
     from .documents import list_document
 
     def draw(out: Out) -> None:
-        rows = [[r["ipc"], state_cell(r["state"]), *size_cells(r)[:3]] for r in list_document(plan_view(names))]
+        view = plan_view(names)
+        rows = [[r["ipc"], state_cell(r["state"]), *size_cells(r)[:3]] for r in list_document(view)]
         if rows:
             out.table(["NAME", "STATE", "LIMIT", "USED", "PREALLOC"], rows, indent=0, fold=(0,))
         else:
             out.line("No kvcached segments.")
+        if places is not None:
+            out.blank()
+            draw_places(out, places(view))
     return draw
 
 
-def draw_top(names: Sequence[str], plan_view: Callable[[Sequence[str]], Any], root: str) -> Draw:
-    """The `top` frame: every deployment's usage, sockets, processes and orphans."""
+def draw_top(names: Sequence[str], plan_view: Callable[[Sequence[str]], Any], root: str,
+             places: Places | None = None) -> Draw:
+    """The `top` frame: every deployment's usage, sockets, processes and orphans; then the places' fill."""
     from kvcached.node import format_size
 
     def draw(out: Out) -> None:
@@ -137,4 +174,7 @@ def draw_top(names: Sequence[str], plan_view: Callable[[Sequence[str]], Any], ro
                          (str(len(d.orphans)), "bold yellow") if d.orphans else "0"])
         out.table(["NAME", "STATE", "LIMIT", "USED", "PREALLOC", "USE%", "USAGE", "SOCKETS", "PROCS", "ORPHANS"],
                   rows, indent=0, fold=(0,))
+        if places is not None:
+            out.blank()
+            draw_places(out, places(view))
     return draw

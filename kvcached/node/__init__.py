@@ -56,7 +56,7 @@ FACE: dict[str, tuple[str, ...]] = {
     "ops.metrics_http": ("MetricsServer",),
     "ops.rounds": ("PlaceResult", "view_places", "would_remove"),
     "ops.view": ("DeploymentView", "NodeView", "build_view", "layout_for_pid"),
-    "places.fill": ("fill_summary", "largest_summary"),
+    "places.fill": ("fill_summary", "largest_summary", "place_fills"),
     "places.run": ("plan_places",),
     "state.lease": ("DirLease", "SegmentLease"),
     "state.segment": ("LimitWatch", "MappedReader", "SegmentInfo", "read_segment", "write_segment"),
@@ -109,7 +109,7 @@ if TYPE_CHECKING:  # what mypy reads; at run time each name loads in __getattr__
     from .ops.metrics_http import MetricsServer
     from .ops.rounds import PlaceResult, view_places, would_remove
     from .ops.view import DeploymentView, NodeView, build_view, layout_for_pid
-    from .places.fill import fill_summary, largest_summary
+    from .places.fill import fill_summary, largest_summary, place_fills
     from .places.run import plan_places
     from .state.lease import DirLease, SegmentLease
     from .state.segment import LimitWatch, MappedReader, SegmentInfo, read_segment, write_segment

@@ -7,7 +7,8 @@ private namespace and goes with it. Prints one JSON object with what kvctl said,
   dead vLLM buffer: over the failure threshold;
 - pod vllm-0 (namespace serving) has an 8 MiB memory-backed emptyDir at the kubelet's path holding a 3 MiB
   buffer a live process maps, a dead 3.5 MiB one and a 512 KiB file no family names: over the warning one;
-- `inspect -A`, `doctor capacity -A` and `gc -A --engines --yes --prometheus` see that; then the pod's volume
+- `inspect -A`, `top -A` and `watch -A` (one snapshot each), `top` without -A, `doctor capacity -A` and
+  `gc -A --engines --yes --prometheus` see that; then the pod's volume
   is unmounted, its serve ended (the pod is gone) and one more gc writes the metrics again.
 
 Every planted file is backdated an hour and kvctl keeps the default grace age, so files of another test's
@@ -72,6 +73,9 @@ def main(base: str, kvctl: str) -> dict:
         a = ("-A", "--kubelet-dir", kubelet)
         out["inspect"] = _kvctl(kvctl, base, "inspect", *a, "--json")[1]
         out["inspect_text"] = _kvctl(kvctl, base, "inspect", *a)[1]["text"]
+        out["top"] = _kvctl(kvctl, base, "top", *a, "--count", "1")[1]["text"]
+        out["watch"] = _kvctl(kvctl, base, "watch", *a, "--count", "1")[1]["text"]
+        out["top_host"] = _kvctl(kvctl, base, "top", "--count", "1")[1]["text"]
         out["doctor_rc"], out["doctor"] = _kvctl(kvctl, base, "doctor", "capacity", *a, "--json")
         prom = f"{base}/m.prom"
         out["gc_rc"], out["gc"] = _kvctl(kvctl, base, "gc", *a, "--engines", "--yes", "--json", "--prometheus", prom)

@@ -87,6 +87,17 @@ def test_doctor_capacity_fails_at_95_and_warns_at_85_naming_the_pod_and_what_fil
     assert "gc -A --engines --yes frees the 3.5M" in pod["fix"] and "sizeLimit" in pod["fix"]
 
 
+@root_only
+def test_top_and_watch_show_every_places_fill_and_the_host_s_alone_without_a(node: dict[str, Any]) -> None:
+    pod = "pod serving/vllm-0, volume dshm"
+    for text in (node["top"], node["watch"]):
+        rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("host ", "pod "))}
+        assert rows["host"][1:5] == ["95%", "61M", "64M", "##########"], text
+        [row] = [line for line in text.splitlines() if line.startswith(pod)]
+        assert " 88% " in row and " 7M " in row and " 8M " in row and "#########." in row, row
+    assert "host " in node["top_host"] and pod not in node["top_host"]
+
+
 def _series(prom: str, name: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}\{{(.*)\}} (\S+)$", prom, re.M)}
 

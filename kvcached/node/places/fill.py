@@ -15,9 +15,11 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..base.enums import Action, State
-from ..base.place import Place, dev_text
+from ..base.layout import Layout
+from ..base.place import HOST, Place, dev_text
 
 if TYPE_CHECKING:
+    from ..clean.facts import Facts
     from ..clean.report import Entry
 
 # How many of a place's biggest entries its fill names (inspect -A, doctor capacity).
@@ -73,6 +75,17 @@ def measure(place: Place) -> Fill:
         return Fill(None, None, dev_text(st.st_dev), f"{path}: its filesystem reports no size")
     unit = vfs.f_frsize or vfs.f_bsize
     return Fill(vfs.f_blocks * unit, (vfs.f_blocks - vfs.f_bfree) * unit, dev_text(st.st_dev))
+
+
+def place_fills(facts: Facts, host: Layout, *, every_place: bool = False,
+                kubelet_dir: str | None = None) -> list[tuple[Place, Fill]]:
+    """Each place with its fill, the host's first (with `every_place`, every place discover finds): kvtop, watch."""
+    if not every_place:
+        place = HOST._replace(path=host.root)
+        return [(place, measure(place))]
+    from .discover import discover
+
+    return [(p, measure(p)) for p in discover(facts, host, kubelet_dir=kubelet_dir).all()]
 
 
 class KindBytes(NamedTuple):
