@@ -153,16 +153,18 @@ def unseen(place: Place, scope: Scope) -> bool:
     """Whether no live process can see the place: no viewer but its holder, and nothing hidden that might be one.
 
     A process whose mount namespace could not be read counts as seeing every
-    place already (discover); one whose namespace is not known at all, or
-    hidden from this view (hidepid, other users), might see it: then it is
-    not unseen.
+    place already (discover); an engine-like one whose namespace is not
+    known at all, or one hidden from this view (hidepid, other users), might
+    see it: then it is not unseen.
     """
     if place.is_host or place.errors:
         return False
     facts = scope.facts
-    # A zombie has no mount namespace left (its readlink fails): it sees nothing, and hides nothing.
+    # A process whose namespace could not be read might see the place, if it could be an engine's (the rule
+    # every source's evidence follows: a sandbox's init or an sshd we may not ptrace makes no engine files).
+    # A zombie has no mount namespace left: it sees nothing.
     if facts.hidepid or facts.hidden_users or any(p.mnt_ns is None and p.proc_state not in ("Z", "X")
-                                                  for p in facts.processes.values()):
+                                                  and p.engine_like for p in facts.processes.values()):
         return False
     viewers = set(scope.places.viewers.get(place.dev, ()) if place.dev is not None else ()) | set(place.pids)
     viewers.discard(place.holder)
