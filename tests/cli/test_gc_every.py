@@ -263,7 +263,7 @@ def test_memory_does_not_grow_across_runs(layout, tmp_path, uniq, monkeypatch) -
     stop = RecordingStop()
 
     def once() -> int:
-        code = _one_run(opts, run, json_out=True)
+        code, _ = _one_run(opts, run, json_out=True)
         n = len(stop.waits)
         if n == 60:
             tracemalloc.start()
