@@ -257,10 +257,10 @@ def _loop(kvctl: str, base: str, *args: str) -> subprocess.Popen[str]:
 def events(base: str, kvctl: str) -> dict:
     """Scenario "events" (the module docstring)."""
     from kvcached.node import GcOptions, Layout
-    from kvcached.node.ops.events import key_of
-    from kvcached.node.places.discover import discover
     from kvcached.node.clean.facts import gather_facts
+    from kvcached.node.ops.events import key_of
     from kvcached.node.ops.react import Reactor
+    from kvcached.node.places.discover import discover
 
     kubelet = f"{base}/kubelet"
     for d in ("root/tmp", "root/dev/shm"):
