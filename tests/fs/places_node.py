@@ -23,8 +23,8 @@ only container makes fresh files and is SIGKILLed (its files must go before the 
 lives and makes, closes and opens again a file of its own, the host has a fresh dead file (its rules stay a
 round's); then a Reactor asked to stop mid-judgement finishes one place of two.
 Scenario "restart": pod A's dead container's fresh files planned without a grace age (no process sees the
-volume), a new container started on the volume before the act: nothing is removed; once it is gone, a
-judgement removes them.
+volume; with the grace age given, they are young), a new container started on the volume before the act:
+nothing is removed; once it is gone, a judgement removes them.
 """
 
 from __future__ import annotations
@@ -342,10 +342,12 @@ def restart(base: str) -> dict:
     os.kill(_host_pid(c1), signal.SIGKILL)
     c1.wait()
 
-    def plan() -> object:
+    def plan(given: bool = False) -> object:
         return plan_places(Layout(f"{base}/root"), Policy(grace=60), gather_facts(), kvcached=False, engines=True,
-                           kubelet_dir=f"{base}/kubelet")
+                           kubelet_dir=f"{base}/kubelet", grace_given=given)
 
+    given = {c.name: str(d.state) for x in plan(True).plans if x.engines  # type: ignore[attr-defined]
+             for c, d in x.engines.entries()}
     pp = plan()
     judged = {c.name: str(d.state) for x in pp.plans if x.engines for c, d in x.engines.entries()}  # type: ignore
     c2, live = _container(FRESH, vol)  # the kubelet restarts the container between the judgement and the act
@@ -360,7 +362,8 @@ def restart(base: str) -> dict:
     again = [act(x, dry_run=False) for x in plan().plans]  # type: ignore[attr-defined]
     removed = sorted(e.candidate.name for r in again if r.report for e in r.report.entries
                      if str(e.action) == "removed")
-    return {"dead": dead, "live": live, "judged": judged, "acted": acted, "left": left, "removed": removed}
+    return {"dead": dead, "live": live, "judged": judged, "given": given, "acted": acted, "left": left,
+            "removed": removed}
 
 
 UPSTREAM_SEGMENT = textwrap.dedent("""

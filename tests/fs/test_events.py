@@ -175,11 +175,13 @@ def test_a_live_place_touched_again_waits_for_the_settle_time(tmp_path: Path, ch
     pl = _place(tmp_path, (viewer.pid,))
     reactor = Reactor(_opts(tmp_path), None, clock=lambda: now[0])
     try:
-        reactor._judged[key_of(pl)] = 99.0  # type: ignore[index]
         reactor.note(Changed(places=frozenset({key_of(pl)}), files=1))  # type: ignore[arg-type]
-        assert reactor._due[key_of(pl)] == 99.0 + SETTLE_S  # type: ignore[index]
+        assert reactor._due[key_of(pl)] == 100.0 + SETTLE_S  # type: ignore[index]
+        now[0] = 105.0
+        reactor.note(Changed(places=frozenset({key_of(pl)}), exited=1))  # type: ignore[arg-type]
+        assert reactor._due[key_of(pl)] == 100.0 + SETTLE_S  # type: ignore[index]  (a stream never postpones)
         reactor.note(Changed(places=frozenset({key_of(pl)}), orphaned=frozenset({key_of(pl)})))  # type: ignore
-        assert reactor._due[key_of(pl)] == 100.0 + COALESCE_S  # type: ignore[index]
+        assert reactor._due[key_of(pl)] == 105.0 + COALESCE_S  # type: ignore[index]
     finally:
         reactor.close()
 

@@ -222,6 +222,7 @@ def test_a_container_restarted_between_the_judgement_and_the_act_defers_the_remo
     names = set(out["dead"]["names"])
     # Fresh files, but the volume was seen by no live process: judged without a grace age, stale.
     assert {out["judged"][n] for n in names} == {"stale"}, out["judged"]
+    assert {out["given"][n] for n in names} == {"young"}, out["given"]  # --min-age given: it holds everywhere
     # The new container saw the volume before the act: nothing removed, and why is said.
     assert names <= set(out["left"]), out
     assert all(out["acted"][n][0] == "kept" and "started since the judgement" in out["acted"][n][1] for n in names)

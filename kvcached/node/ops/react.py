@@ -15,9 +15,11 @@ When a touched place is judged:
   its last viewer besides the sandbox's holder exited: that is the moment
   its dead files can go, and nothing there needs a grace age any more
   (places.run.unseen);
-- otherwise no sooner than SETTLE_S after its last judgement: a live place
-  keeps its grace age, so judging it at every new file or every exit of one
-  of many workers would cost passes over /proc and remove nothing more.
+- otherwise SETTLE_S after the first touch since its last judgement: a
+  live place keeps its grace age, so judging it at every new file or every
+  exit of one of many workers would cost passes over /proc and remove
+  nothing more, and the exits of a whole pod killed at once arrive over a
+  few milliseconds: its last one makes the judgement.
 
 A change of kvctl's mount table (a new pod's volume, a new sandbox shm)
 asks for a pass that only arms the watch, no sooner than SETTLE_S after the
@@ -104,10 +106,9 @@ class Reactor:
         if changed.mounts and self._rescan is None:
             self._rescan = max(now + COALESCE_S, self._armed + SETTLE_S)
         for k in changed.places:
-            if k in changed.orphaned:
-                when = now + COALESCE_S
-            else:
-                when = max(now + COALESCE_S, self._judged.get(k, float("-inf")) + SETTLE_S)
+            # A place that still has viewers keeps its grace age: judged now, it would keep what a moment later
+            # (its last viewer gone, a burst of exits being delivered) it could remove.
+            when = now + (COALESCE_S if k in changed.orphaned else SETTLE_S)
             self._due[k] = min(self._due.get(k, when), when)
 
     def run_for(self, seconds: float, said: Callable[[Reaction], None]) -> bool:
@@ -173,7 +174,7 @@ class Reactor:
             scope = scope_of(opts.layout, policy, facts, every_place=True, kubelet_dir=opts.kubelet_dir,
                              kvcached=opts.kvcached_pass, engines=opts.engine_pass, names=opts.names,
                              kinds=opts.kinds, engine_kinds=opts.engine_kinds, proc_root=opts.proc_root,
-                             grace_given=opts.grace_given)
+                             grace_given=opts.grace_given, mapped={k[0] for k in keys})
             for pl in scope.places.others:
                 if key_of(pl) not in keys:
                     continue

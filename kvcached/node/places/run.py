@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -131,18 +131,21 @@ def _kvcached_names(layout: Layout, places: Places, facts: Facts) -> set[str]:
 def scope_of(layout: Layout, policy: Policy, facts: Facts, *, every_place: bool = True,
              kubelet_dir: str | None = None, now: float | None = None, kvcached: bool = True, engines: bool = False,
              names: Sequence[str] = (), kinds: Sequence[Kind] = (), engine_kinds: Sequence[EngineKind] = (),
-             rpc_dirs: Sequence[str] = (), proc_root: str = "/proc", grace_given: bool = False) -> Scope:
+             rpc_dirs: Sequence[str] = (), proc_root: str = "/proc", grace_given: bool = False,
+             mapped: Collection[int] | None = None) -> Scope:
     """The scope of one round: every place of the node (discover), or the host alone (`every_place` False).
 
     With the engines asked for, the devices of every place are announced to
     the facts, so that the one read of every process's maps that the first
-    place's engine evidence makes serves every other place's too.
+    place's engine evidence makes serves every other place's too; `mapped`:
+    only these devices (the places an event touched, judged alone: each
+    device more costs every map line one more search).
     """
     from .discover import Places, discover
 
     places = discover(facts, layout, kubelet_dir=kubelet_dir) if every_place else Places(HOST, [])
     if engines:
-        facts.also_map(pl.dev for pl in places.others if pl.dev is not None)
+        facts.also_map(pl.dev for pl in places.others if pl.dev is not None and (mapped is None or pl.dev in mapped))
     return Scope(layout=layout, policy=policy, facts=facts, places=places, now=time.time() if now is None else now,
                  kvcached=kvcached, engines=engines, names=tuple(names), kinds=tuple(kinds),
                  engine_kinds=tuple(engine_kinds), rpc_dirs=tuple(rpc_dirs), proc_root=proc_root,
@@ -241,17 +244,18 @@ def plan_place(place: Place, scope: Scope, host_plan: Plan | None = None) -> Pla
 def plan_places(layout: Layout, policy: Policy, facts: Facts, *, kvcached: bool = True, engines: bool = False,
                 engine_kinds: Iterable[EngineKind] = (), rpc_dirs: Sequence[str] = (), kubelet_dir: str | None = None,
                 host_plan: Plan | None = None, now: float | None = None, proc_root: str = "/proc",
-                names: Sequence[str] = (), kinds: Iterable[Kind] = ()) -> PlacesPlan:
+                names: Sequence[str] = (), kinds: Iterable[Kind] = (), grace_given: bool = False) -> PlacesPlan:
     """Find every place (discover) and plan each, host first; no side effects.
 
     `host_plan`: the host's kvcached plan the caller already made from the
     same facts (gc's, which also finds orphans), used as it is; without one
     the host's is made here. `names` (exact names or globs) and `kinds`
-    filter kvcached's entries as gc's do.
+    filter kvcached's entries as gc's do; `grace_given`: the policy's grace
+    age was asked for, and holds in every place (Scope.grace_given).
     """
     scope = scope_of(layout, policy, facts, kubelet_dir=kubelet_dir, now=now, kvcached=kvcached, engines=engines,
                      names=tuple(names), kinds=tuple(kinds), engine_kinds=tuple(engine_kinds),
-                     rpc_dirs=tuple(rpc_dirs), proc_root=proc_root)
+                     rpc_dirs=tuple(rpc_dirs), proc_root=proc_root, grace_given=grace_given)
     if kvcached and host_plan is None:
         host_plan = host_kvcached_plan(scope, sorted(scope.kvcached_names))
     return PlacesPlan(scope.places, [plan_place(pl, scope, host_plan) for pl in scope.places.all()],
