@@ -239,7 +239,14 @@ def run(base: str, quick: bool, baseline_rev: str) -> None:
     agent = Agent(host, kubelet, base, cgroup)
     try:
         agent.wait_lines(1)
-        time.sleep(5.0)  # the round's line is out before its end (the heartbeat, the watch armed; at 100m)
+        # The round's line is out before its end (the heartbeat, the watch armed): idle from when a second
+        # passes without CPU (at 100m the tail of a round can take seconds).
+        settled = agent.cpu()
+        for _ in range(60):
+            time.sleep(1.0)
+            if agent.cpu() == settled:
+                break
+            settled = agent.cpu()
         c0, t0 = agent.cpu(), time.monotonic()
         time.sleep(idle_s)
         idle = (agent.cpu() - c0) / (time.monotonic() - t0)
