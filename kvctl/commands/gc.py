@@ -7,7 +7,6 @@ import typer
 
 from kvcached.node import Action, EngineKind, Kind, Source, StrEnum
 
-from ..documents import error_document, gc_document
 from ..exitcodes import CATEGORY_EXIT, CliError, Exit, exit_of
 from ..params import (
     AllPlaces,
@@ -177,6 +176,8 @@ def _one_run(opts: Any, run: Globals, json_out: bool) -> tuple[int, Any]:
     except KvcachedError as e:  # the lock busy, a metrics target that is no regular file, NAMEs matching nothing
         code = CATEGORY_EXIT[e.category]
         if json_out:
+            from ..documents import error_document
+
             emit_json(error_document(code, str(e)), one_line=True)
         else:
             log_line(f"kvctl gc: {e}; nothing done this run (exit {int(code)})",
@@ -184,6 +185,8 @@ def _one_run(opts: Any, run: Globals, json_out: bool) -> tuple[int, Any]:
         return int(code), None
     code = exit_of(result.outcome, result.metrics_error)
     if json_out:
+        from ..documents import gc_document
+
         emit_json(gc_document(run.root, result, code), one_line=True)
     else:
         log_line(*_run_line(result, int(code)))
@@ -451,6 +454,8 @@ def gc(
     if result.declined:
         _declined(run, opts, result, min_age)
     if json_out:
+        from ..documents import gc_document  # only for --json: a plain gc's start-up does not pay for it
+
         emit_json(gc_document(run.root, result, code))
     elif not (result.declined and interactive()):  # the prompt already showed the plan
         _show(out, run, result)
