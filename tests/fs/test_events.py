@@ -248,3 +248,30 @@ def test_a_mount_in_kvctls_own_table_is_news(tmp_path: Path) -> None:
                         str(tmp_path / "m")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "True"
+
+
+def _doctor_events(tmp_path: Path, prefix: str = "") -> dict:
+    import json
+
+    kvctl = str(Path(sys.executable).with_name("kvctl"))
+    (tmp_path / "dev" / "shm").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    r = subprocess.run(["sh", "-c", f'{prefix}exec "$@"', "sh", kvctl, "--root", str(tmp_path), "doctor", "events",
+                        "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode in (0, 1), r.stderr
+    [check] = json.loads(r.stdout)["checks"]
+    return check
+
+
+def test_doctor_events_says_what_the_event_path_has(tmp_path: Path) -> None:
+    check = _doctor_events(tmp_path)
+    assert check["name"] == "events" and check["status"] == "ok", check
+    assert check["details"]["pidfd"] is True and check["details"]["inotify"] is True
+
+
+def test_doctor_events_warns_when_the_open_files_limit_is_below_the_processes(tmp_path: Path) -> None:
+    # A real limit (ulimit -n in the shell that execs kvctl): below the node's processes plus kvctl's own
+    # descriptors (64), whatever few processes run.
+    check = _doctor_events(tmp_path, "ulimit -n 40; ")
+    assert check["status"] == "warn" and "open-files limit (40)" in check["summary"], check
+    assert check["details"]["nofile"] == 40 and "LimitNOFILE" in check["fix"]
