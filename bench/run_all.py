@@ -25,6 +25,9 @@ another's measurement.
                        same 10,000 files in one directory (root only: tmpfs mounts)
 9. bench_agent.py      the DaemonSet's command on a node of 1,000 processes and 50 pod volumes: peak RSS
                        and CPU per run, the figures its requests and limits come from (root only)
+10. bench_events.py    gc --every -A's event path on 1,000 processes in 50 pods: idle CPU between rounds,
+                       reclaim time from a pod's last SIGKILL, a 10,000-exit burst, a round's cost vs the
+                       baseline tree's (root only)
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = [["bench_cli_start.py"], ["bench_gc.py"], ["bench_pages.py"], ["bench_elastic.py"], ["bench_sglang.py"],
-           ["bench_engines.py"], ["bench_gpu_holders.py"], ["bench_places.py"], ["bench_agent.py"]]
+           ["bench_engines.py"], ["bench_gpu_holders.py"], ["bench_places.py"], ["bench_agent.py"],
+           ["bench_events.py"]]
 
 
 def main() -> int:

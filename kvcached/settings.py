@@ -300,7 +300,7 @@ KVCTL_KUBELET_DIR = Setting("KVCTL_KUBELET_DIR", "path", "/var/lib/kubelet",
 KVCTL_SANDBOX_ROOT = Setting("KVCTL_SANDBOX_ROOT", "path", "/",
                              "re-bases the container runtimes' sandbox directories that kvctl -A looks in "
                              "(SANDBOX_SHM; a DaemonSet that mounts the host's under /host, tests)", absolute_path)
-# doctor's `capacity` check (docs/PLACES.md §5): a place this full warns, then fails; the alerts
+# doctor's `capacity` check (docs/PLACES.md §6): a place this full warns, then fails; the alerts
 # (contrib/prometheus/kvctl-gc-rules.yml) fire at the same defaults.
 KVCTL_CAPACITY_WARN = Setting("KVCTL_CAPACITY_WARN", "percent", 85.0,
                               "doctor's capacity check warns when a place's filesystem is this full (percent)", percent)

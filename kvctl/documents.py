@@ -249,6 +249,20 @@ def _add_places(doc: dict[str, Any], result: GcResult) -> None:
     doc["places"] = listed
 
 
+def event_document(root: str, reaction: Any) -> dict[str, Any]:
+    """One judgement of gc --every's event path (gc_event.json, schema kvctl.gc-event/1): each place judged, with
+    its entries."""
+    places, entries = [], []
+    for r in reaction.places:
+        places.append(r.to_dict())
+        if r.report is not None:
+            where = r.place.to_dict()
+            entries += [{**e.to_dict(), "place": where} for e in r.report.entries]
+    return {"schema": "kvctl.gc-event/1", "root": root, "started": round(reaction.started, 3),
+            "took_seconds": round(reaction.took, 6), "exited": reaction.exited, "files": reaction.files,
+            "busy": reaction.busy, "error": reaction.error, "places": places, "entries": entries}
+
+
 def delete_document(root: str, report: Report, code: IntEnum) -> dict[str, Any]:
     """`delete --json` (gc.json, schema kvctl.delete/1): gc's document of one deployment."""
     return _report("kvctl.delete/1", root, report, False, code)

@@ -54,6 +54,7 @@ FACE: dict[str, tuple[str, ...]] = {
     "ops.gcrun": ("GcOptions", "GcResult", "check_options", "make_plan", "outcome_of", "run_delete", "run_gc"),
     "ops.heartbeat": ("HeartbeatError", "Recorder", "check", "check_target"),
     "ops.metrics_http": ("MetricsServer",),
+    "ops.react": ("Reactor",),
     "ops.rounds": ("PlaceResult", "view_places", "would_remove"),
     "ops.view": ("DeploymentView", "NodeView", "build_view", "layout_for_pid"),
     "places.fill": ("fill_summary", "largest_summary", "place_fills"),
@@ -107,6 +108,7 @@ if TYPE_CHECKING:  # what mypy reads; at run time each name loads in __getattr__
     from .ops.gcrun import GcOptions, GcResult, check_options, make_plan, outcome_of, run_delete, run_gc
     from .ops.heartbeat import HeartbeatError, Recorder, check, check_target
     from .ops.metrics_http import MetricsServer
+    from .ops.react import Reactor
     from .ops.rounds import PlaceResult, view_places, would_remove
     from .ops.view import DeploymentView, NodeView, build_view, layout_for_pid
     from .places.fill import fill_summary, largest_summary, place_fills

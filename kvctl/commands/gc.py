@@ -7,7 +7,6 @@ import typer
 
 from kvcached.node import Action, EngineKind, Kind, Source, StrEnum
 
-from ..documents import error_document, gc_document
 from ..exitcodes import CATEGORY_EXIT, CliError, Exit, exit_of
 from ..params import (
     AllPlaces,
@@ -169,8 +168,9 @@ def _run_line(result: Any, code: int) -> tuple[str, str]:
     return f"{line} (exit {code})", level
 
 
-def _one_run(opts: Any, run: Globals, json_out: bool) -> int:
-    """One run of gc --every: its line (or JSON line), its exit code; a failed run is said and the loop goes on."""
+def _one_run(opts: Any, run: Globals, json_out: bool) -> tuple[int, Any]:
+    """One run of gc --every: its line (or JSON line), its exit code and result (None: it failed, said, and the
+    loop goes on)."""
     from kvcached.node import KvcachedError, run_gc
 
     try:
@@ -178,17 +178,21 @@ def _one_run(opts: Any, run: Globals, json_out: bool) -> int:
     except KvcachedError as e:  # the lock busy, a metrics target that is no regular file, NAMEs matching nothing
         code = CATEGORY_EXIT[e.category]
         if json_out:
+            from ..documents import error_document
+
             emit_json(error_document(code, str(e)), one_line=True)
         else:
             log_line(f"kvctl gc: {e}; nothing done this run (exit {int(code)})",
                      "warning" if code in (Exit.LOCK_BUSY, Exit.NOT_FOUND) else "error")
-        return int(code)
+        return int(code), None
     code = exit_of(result.outcome, result.metrics_error)
     if json_out:
+        from ..documents import gc_document
+
         emit_json(gc_document(run.root, result, code), one_line=True)
     else:
         log_line(*_run_line(result, int(code)))
-    return int(code)
+    return int(code), result
 
 
 @dataclass(frozen=True)
@@ -208,14 +212,15 @@ def _loop_opts(every: float | None, max_age: float | None, loop: LoopOpts) -> Lo
     return loop
 
 
-def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts) -> int:
-    """gc --every: refuse what could never act, then one run after another until SIGTERM or SIGINT."""
+def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts, events: bool) -> int:
+    """gc --every: refuse what could never act, then one run after another until SIGTERM or SIGINT; with -A the
+    event path between them (kvctl/gcloop.py), unless --no-events."""
     from contextlib import ExitStack
 
     from kvcached import settings
     from kvcached.node import check_options
 
-    from ..gcloop import Stop, heartbeat_after, run_every
+    from ..gcloop import Stop, heartbeat_after, react_between, run_every
 
     floor = settings.KVCTL_EVERY_MIN_S.get()
     if every < floor:
@@ -238,17 +243,31 @@ def _every(every: float, opts: Any, run: Globals, json_out: bool, loop: LoopOpts
             log_line(f"kvctl gc: serving the last run's metrics on http://{host}:{port}/metrics", "info")
             opts = opts._replace(metrics_sink=server)
         stop = stack.enter_context(Stop())
-        return run_every(every, lambda: _one_run(opts, run, json_out), stop, after=heartbeat_after(loop.heartbeat))
+        reactor = react_between(opts, stop, run.root, json_out, stack) if opts.all_places and events else None
+
+        def once() -> int:
+            code, result = _one_run(opts, run, json_out)
+            if reactor is not None:
+                reactor.after_round(result)
+            return code
+
+        return run_every(every, once, stop, after=heartbeat_after(loop.heartbeat),
+                         between=None if reactor is None else reactor.between)
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether the option was given (on the line or by its environment variable), not left at its default."""
+    # By the source's name: typer may bring its own copy of click, whose ParameterSource is another class.
+    return getattr(ctx.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"
 
 
 def _check_heartbeat(ctx: typer.Context, path: str, max_age: float | None) -> int:
     """gc --check-heartbeat: a liveness probe's question, answered from the file alone (no gc, no lock, no /proc)."""
     from kvcached.node import check
 
-    # By the source's name: typer may bring its own copy of click, whose ParameterSource is another class.
     given = [p for p in ctx.command.params if p.name not in ("check_heartbeat", "max_age")
              and not getattr(p, "hidden", False)  # the global options after the command's name
-             and getattr(ctx.get_parameter_source(p.name), "name", "DEFAULT") != "DEFAULT"]
+             and p.name is not None and _given(ctx, p.name)]
     if given:
         shown = " ".join(p.opts[-1] if p.opts and p.opts[-1].startswith("-") else "NAME" for p in given)
         raise CliError(f"--check-heartbeat only reads the heartbeat: it takes --max-age and no other gc option "
@@ -287,6 +306,12 @@ MetricsPortOpt = Annotated[
     typer.Option("--metrics-port", metavar="PORT", min=1, max=65535,
                  help="With --every: serve the last run's metrics (the --prometheus text) over HTTP at "
                  "/metrics on PORT, for Prometheus to scrape (default: no endpoint)."),
+]
+NoEventsOpt = Annotated[
+    bool,
+    typer.Option("--no-events", metavar="",
+                 help="With --every -A: only rounds; no judging, between them, of the places whose processes "
+                 "exited or that got new files (the event path, docs/PLACES.md §5)."),
 ]
 MetricsAddressOpt = Annotated[
     str,
@@ -397,6 +422,7 @@ def gc(
     ] = None,
     all_places: AllPlaces = False,
     kubelet_dir: KubeletDir = None,
+    no_events: NoEventsOpt = False,
     heartbeat: HeartbeatOpt = None,
     check_heartbeat: CheckHeartbeatOpt = None,
     max_age: MaxAgeOpt = None,
@@ -417,9 +443,12 @@ def gc(
                      kinds=tuple(k for k in chosen if isinstance(k, Kind)), dry_run=dry_run, yes=yes,
                      time_limit=time_limit or None, kill_orphans=kill_orphans, prometheus=prometheus,
                      engines=engines, engine_kinds=tuple(k for k in chosen if isinstance(k, EngineKind)),
-                     all_places=all_places, kubelet_dir=kubelet_dir, every=every)
+                     all_places=all_places, kubelet_dir=kubelet_dir, every=every,
+                     grace_given=_given(ctx, "min_age"))
     if every is not None:
-        return _every(every, opts, run, json_out, loop)
+        return _every(every, opts, run, json_out, loop, not no_events)
+    if no_events:
+        raise CliError("--no-events goes with --every -A (the event path runs only between its rounds)", Exit.USAGE)
     result = _run(opts, out, run, json_out)
     code = exit_of(result.outcome, result.metrics_error)
     if kill_orphans and not dry_run and not yes and not result.killed and result.killable:
@@ -427,6 +456,8 @@ def gc(
     if result.declined:
         _declined(run, opts, result, min_age)
     if json_out:
+        from ..documents import gc_document  # only for --json: a plain gc's start-up does not pay for it
+
         emit_json(gc_document(run.root, result, code))
     elif not (result.declined and interactive()):  # the prompt already showed the plan
         _show(out, run, result)

@@ -35,7 +35,7 @@ def test_no_heavy_imports(args: list[str], root: str) -> None:
 
 def test_schemas_are_valid_json_schema() -> None:
     names = sorted(p.stem for p in SCHEMAS.glob("*.json"))
-    assert names == ["demo", "doctor", "engine_entry", "error", "gc", "inspect", "limit", "list", "place"]
+    assert names == ["demo", "doctor", "engine_entry", "error", "gc", "gc_event", "inspect", "limit", "list", "place"]
     for name in names:
         jsonschema.Draft202012Validator.check_schema(json.loads((SCHEMAS / f"{name}.json").read_text()))
 

@@ -115,7 +115,7 @@ def test_bash_completes_commands_options_choices_and_checks() -> None:
     assert bash("kvctl gc --kind n") == ["nccl-shm"]
     assert bash("kvctl gc --kind=so") == ["socket"]
     assert bash("kvctl doctor sh") == ["shm"]
-    assert bash("kvctl doctor e") == ["extension", "engine-leftovers", "engines", "environment", "engine"]
+    assert bash("kvctl doctor e") == ["events", "extension", "engine-leftovers", "engines", "environment", "engine"]
     assert bash("kvctl --v") == ["--verbose", "--version"]
     assert "--root" not in bash("kvctl gc --r")  # after the command, --root is accepted, not offered
     assert bash("kvtop --c", prog="kvtop") == ["--count"]

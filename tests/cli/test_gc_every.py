@@ -263,7 +263,7 @@ def test_memory_does_not_grow_across_runs(layout, tmp_path, uniq, monkeypatch) -
     stop = RecordingStop()
 
     def once() -> int:
-        code = _one_run(opts, run, json_out=True)
+        code, _ = _one_run(opts, run, json_out=True)
         n = len(stop.waits)
         if n == 60:
             tracemalloc.start()
@@ -281,3 +281,9 @@ def test_memory_does_not_grow_across_runs(layout, tmp_path, uniq, monkeypatch) -
     assert len(sizes) == 5
     growth = sizes[-1] - sizes[1]
     assert growth < 64 * 1024, f"grew {growth} bytes over 180 runs: {sizes}"
+
+
+def test_no_events_goes_with_every(tmp_path: Path) -> None:
+    r = kvctl("--root", str(tmp_path), "gc", "--dry-run", "--no-events")
+    assert_one_line_error(r, Exit.USAGE)
+    assert "--no-events goes with --every -A" in r.stderr

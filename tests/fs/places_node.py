@@ -18,6 +18,13 @@ Scenario "pgid": plan only (nothing is acted on), two pod volumes each with an u
 its creator's process group as its own PID namespace numbers it (kvcached_proc_1): one container dead, one alive.
 Scenario "replace": plan pod A's dead files, replace its filesystem by another tmpfs with the same names,
 act: nothing is removed.
+Scenario "events": `kvctl gc -A --engines --yes --every 10m --json` running, as the DaemonSet runs it; pod A's
+only container makes fresh files and is SIGKILLed (its files must go before the next round), pod B's container
+lives and makes, closes and opens again a file of its own, the host has a fresh dead file (its rules stay a
+round's); then a Reactor asked to stop mid-judgement finishes one place of two.
+Scenario "restart": pod A's dead container's fresh files planned without a grace age (no process sees the
+volume; with the grace age given, they are young), a new container started on the volume before the act:
+nothing is removed; once it is gone, a judgement removes them.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import textwrap
@@ -220,6 +228,144 @@ def node(base: str, kvctl: str) -> dict:
     return out
 
 
+FRESH = textwrap.dedent("""
+    import json, os, secrets, subprocess, sys
+    vol = sys.argv[1]
+    subprocess.run(["mount", "--bind", vol, "/dev/shm"], check=True)
+    pid = os.getpid()
+    names = []
+    for name in (f"sgl_shm_mm_{pid}_{secrets.token_hex(4)}", f"psm_{secrets.token_hex(4)}"):
+        with open("/dev/shm/" + name, "wb") as f:  # made and closed: nothing holds or maps it
+            f.write(b"z" * 65536)
+        names.append(name)
+    print(json.dumps({"pid": pid, "names": names}), flush=True)
+    for line in sys.stdin:  # each line: open every file again by name, as a reader started later would
+        for name in names:
+            with open("/dev/shm/" + name, "rb") as f:
+                f.read(1)
+        print("reopened", flush=True)
+""")
+
+
+def _loop(kvctl: str, base: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([kvctl, "--root", f"{base}/root", "gc", "-A", "--engines", "--yes", "--every", "10m",
+                             "--json", "--kubelet-dir", f"{base}/kubelet", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "KVCTL_SANDBOX_ROOT": f"{base}/sandroot", "NO_COLOR": "1"})
+
+
+def events(base: str, kvctl: str) -> dict:
+    """Scenario "events" (the module docstring)."""
+    from kvcached.node import GcOptions, Layout
+    from kvcached.node.clean.facts import gather_facts
+    from kvcached.node.ops.events import key_of
+    from kvcached.node.ops.react import Reactor
+    from kvcached.node.places.discover import discover
+
+    kubelet = f"{base}/kubelet"
+    for d in ("root/tmp", "root/dev/shm"):
+        os.makedirs(f"{base}/{d}")
+    vol_a = _volume(kubelet, str(uuid.uuid4()), "dshm", "crashloop-0")
+    vol_b = _volume(kubelet, str(uuid.uuid4()), "dshm", "steady-0")
+    host_file = f"psm_{secrets.token_hex(4)}"
+    with open(f"{base}/root/dev/shm/{host_file}", "wb") as f:
+        f.write(b"h" * 4096)  # fresh, and nobody's: a round keeps it young, and no event judges the host
+    out: dict = {"host_file": host_file}
+    a, out["a"] = _container(FRESH, vol_a)
+    b, out["b"] = _container(FRESH, vol_b)
+    procs = [a, b]
+    loop = _loop(kvctl, base)
+    try:
+        assert loop.stdout is not None
+        out["round"] = json.loads(loop.stdout.readline())
+        killed = time.monotonic()
+        os.kill(_host_pid(a), signal.SIGKILL)  # the container's PID 1: its whole PID namespace goes
+        while set(out["a"]["names"]) & set(os.listdir(vol_a)):
+            if time.monotonic() - killed > 60:
+                break
+            time.sleep(0.02)
+        out["reclaim_s"] = time.monotonic() - killed
+        out["event"] = json.loads(loop.stdout.readline())
+        b.stdin.write("again\n")  # type: ignore[union-attr]
+        b.stdin.flush()  # type: ignore[union-attr]
+        out["b_reopened"] = b.stdout.readline().strip()  # type: ignore[union-attr]
+        out["left"] = {"a": sorted(os.listdir(vol_a)), "b": sorted(os.listdir(vol_b)),
+                       "host": sorted(os.listdir(f"{base}/root/dev/shm"))}
+        loop.send_signal(signal.SIGTERM)
+        out["loop_exit"] = loop.wait(60)
+        out["loop_stderr"] = loop.stderr.read()  # type: ignore[union-attr]
+
+        # Stopped mid-judgement: two dead places touched, the stop asked while the first is judged.
+        vols = [_volume(kubelet, str(uuid.uuid4()), "dshm", f"stop-{i}") for i in range(2)]
+        for v in vols:
+            _plant(v, f"psm_{secrets.token_hex(4)}")
+        asked = []
+        r = Reactor(GcOptions(layout=Layout(f"{base}/root"), yes=True, all_places=True, engines=True,
+                              kubelet_dir=kubelet), None, stopping=lambda: bool(asked))
+        found = discover(gather_facts(), Layout(f"{base}/root"), kubelet_dir=kubelet)
+        keys = {key_of(pl) for pl in found.others if pl.path in vols}
+        import kvcached.node.ops.rounds as rounds
+
+        real = rounds.judge_place
+
+        def judge_place(*args: object, **kw: object) -> object:
+            asked.append(1)  # SIGTERM arrives while this place is judged
+            return real(*args, **kw)  # type: ignore[arg-type]
+
+        rounds.judge_place = judge_place  # type: ignore[assignment]
+        reaction = r.judge(keys)  # type: ignore[arg-type]
+        r.close()
+        out["stopped"] = {"keys": len(keys), "judged": len(reaction.places),
+                          "left": [len(os.listdir(v)) for v in vols]}
+    finally:
+        if loop.poll() is None:
+            loop.kill()
+            loop.wait()
+        for p in procs:
+            p.kill()
+            p.wait()
+    return out
+
+
+def restart(base: str) -> dict:
+    """Scenario "restart" (the module docstring)."""
+    from kvcached.node.base.layout import Layout
+    from kvcached.node.clean.decide import Policy
+    from kvcached.node.clean.facts import gather_facts
+    from kvcached.node.ops.rounds import act
+    from kvcached.node.places.run import plan_places
+
+    os.makedirs(f"{base}/root/tmp")
+    os.makedirs(f"{base}/root/dev/shm")
+    vol = _volume(f"{base}/kubelet", str(uuid.uuid4()), "dshm", "restarted-0")
+    c1, dead = _container(FRESH, vol)
+    os.kill(_host_pid(c1), signal.SIGKILL)
+    c1.wait()
+
+    def plan(given: bool = False) -> object:
+        return plan_places(Layout(f"{base}/root"), Policy(grace=60), gather_facts(), kvcached=False, engines=True,
+                           kubelet_dir=f"{base}/kubelet", grace_given=given)
+
+    given = {c.name: str(d.state) for x in plan(True).plans if x.engines  # type: ignore[attr-defined]
+             for c, d in x.engines.entries()}
+    pp = plan()
+    judged = {c.name: str(d.state) for x in pp.plans if x.engines for c, d in x.engines.entries()}  # type: ignore
+    c2, live = _container(FRESH, vol)  # the kubelet restarts the container between the judgement and the act
+    try:
+        results = [act(x, dry_run=False) for x in pp.plans]  # type: ignore[attr-defined]
+        acted = {e.candidate.name: [str(e.action), e.decision.detail] for r in results if r.report
+                 for e in r.report.entries}
+        left = sorted(os.listdir(vol))
+    finally:
+        os.kill(_host_pid(c2), signal.SIGKILL)
+        c2.wait()
+    again = [act(x, dry_run=False) for x in plan().plans]  # type: ignore[attr-defined]
+    removed = sorted(e.candidate.name for r in again if r.report for e in r.report.entries
+                     if str(e.action) == "removed")
+    return {"dead": dead, "live": live, "judged": judged, "given": given, "acted": acted, "left": left,
+            "removed": removed}
+
+
 UPSTREAM_SEGMENT = textwrap.dedent("""
     import fcntl, os, struct, subprocess, sys, time
     vol, role = sys.argv[1], sys.argv[2]
@@ -295,6 +441,8 @@ def replace(base: str) -> dict:
 
 if __name__ == "__main__":
     base_dir, kvctl_path, scenario = sys.argv[1], sys.argv[2], sys.argv[3]
-    result = node(base_dir, kvctl_path) if scenario == "node" else pgid(base_dir) if scenario == "pgid" \
-        else replace(base_dir)
+    scenarios = {"node": lambda: node(base_dir, kvctl_path), "pgid": lambda: pgid(base_dir),
+                 "replace": lambda: replace(base_dir), "events": lambda: events(base_dir, kvctl_path),
+                 "restart": lambda: restart(base_dir)}
+    result = scenarios[scenario]()
     print(json.dumps(result))

@@ -148,6 +148,18 @@ class PodmanNode:
         argv = [KVCTL, "--root", host, *args, "--kubelet-dir", f"{self.base}/kubelet"]
         return self.enter(argv + (["--json"] if json_out else []), env=env, timeout=timeout, check=False)
 
+    def agent(self, *args: str) -> subprocess.Popen[str]:
+        """`kvctl gc --every` on this node as the DaemonSet runs it (-A --engines --yes --json), until killed."""
+        host = f"{self.base}/host"
+        os.makedirs(f"{host}/dev/shm", exist_ok=True)
+        os.makedirs(f"{host}/tmp", exist_ok=True)
+        env = {**os.environ, "KVCTL_SANDBOX_ROOT": self.base, "NO_COLOR": "1"}
+        # nsenter enters the mount namespace and execs kvctl (no fork): a signal to it is a signal to kvctl.
+        return subprocess.Popen(["nsenter", "-t", str(self.keeper.pid), "-m", KVCTL, "--root", host, "gc", "-A",
+                                 "--engines", "--yes", "--every", "10m", "--json", "--kubelet-dir",
+                                 f"{self.base}/kubelet", *args], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
     def pod(self, name: str) -> Pod:
         self.podman("pod", "create", "--network", "none", "--name", name)
         self.podman("pod", "start", name)

@@ -1,4 +1,4 @@
-"""Every place's fill (docs/PLACES.md §5): statvfs of real filesystems, what fills them, the metrics and doctor.
+"""Every place's fill (docs/PLACES.md §6): statvfs of real filesystems, what fills them, the metrics and doctor.
 
 The node of tests/fs/fill_node.py is built in a private mount namespace with real small tmpfs mounts (the
 host's /dev/shm of 64 MiB, a pod's 8 MiB memory-backed volume) and a live process mapping one buffer; the

@@ -196,3 +196,35 @@ def test_names_with_A_match_in_any_place(node: dict[str, Any]) -> None:
     assert named["entries"] and {e["deployment"] for e in named["entries"]} == {node["c4"]["live"]}
     assert all(e["place"]["kind"] == "mount_namespace" for e in named["entries"])
     assert node["nomatch"] == 6
+
+
+def test_the_event_path_reclaims_a_dead_pods_fresh_files_before_the_next_round(tmp_path: Path) -> None:
+    out = _run(tmp_path, "events")
+    # Pod A's only container was SIGKILLed: its fresh files went at once, not at the next round (10 min later).
+    assert not set(out["a"]["names"]) & set(out["left"]["a"]), out
+    assert out["reclaim_s"] < 30, out
+    ev = out["event"]
+    validate(ev, "gc_event")
+    assert ev["exited"] >= 1 and [p["pod"] for p in ev["places"]] == ["crashloop-0"]
+    assert {os.path.basename(e["path"]) for e in ev["entries"] if e["action"] == "removed"} == set(out["a"]["names"])
+    # Pod B's live container keeps its fresh files, and opens them again by name afterwards.
+    assert set(out["b"]["names"]) <= set(out["left"]["b"]) and out["b_reopened"] == "reopened"
+    # The host's fresh dead file: a round keeps it young (the host's rules), and no event judges the host.
+    assert out["host_file"] in out["left"]["host"]
+    assert out["round"]["schema"] == "kvctl.gc/1" and out["loop_exit"] in (0, 3), out["loop_stderr"]
+    # SIGTERM during a judgement: the place in hand is finished, the other waits for the next run.
+    assert out["stopped"] == {"keys": 2, "judged": 1, "left": [0, 1]} or \
+        out["stopped"] == {"keys": 2, "judged": 1, "left": [1, 0]}, out["stopped"]
+
+
+def test_a_container_restarted_between_the_judgement_and_the_act_defers_the_removal(tmp_path: Path) -> None:
+    out = _run(tmp_path, "restart")
+    names = set(out["dead"]["names"])
+    # Fresh files, but the volume was seen by no live process: judged without a grace age, stale.
+    assert {out["judged"][n] for n in names} == {"stale"}, out["judged"]
+    assert {out["given"][n] for n in names} == {"young"}, out["given"]  # --min-age given: it holds everywhere
+    # The new container saw the volume before the act: nothing removed, and why is said.
+    assert names <= set(out["left"]), out
+    assert all(out["acted"][n][0] == "kept" and "started since the judgement" in out["acted"][n][1] for n in names)
+    # With the new container gone too, the next judgement removes the dead one's files (and the new one's).
+    assert names <= set(out["removed"]), out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -125,3 +126,31 @@ def test_a_sandbox_whose_runtime_state_cannot_be_read_keeps_todays_rule(node: Po
     assert (e["state"], e["reason"]) == ("live", "creator_alive") and e["pids"] == [p.infra_pid]
     assert "sandbox's own holder" in e["detail"] and "pidfile" in e["detail"]
     assert dead["closed"] in _files(p)
+
+
+def test_the_agent_reclaims_a_pods_last_apps_fresh_files_when_it_is_killed(node: PodmanNode) -> None:
+    p = node.pod("kvp-event")
+    app = node.app(p, "kvp-event-app", old=0)  # fresh files: only the event path's rule removes them now
+    names = {app[r] for r in ("closed", "mapped", "held")}
+    agent = node.agent()
+    try:
+        assert agent.stdout is not None
+        first = json.loads(agent.stdout.readline())
+        assert first["schema"] == "kvctl.gc/1"
+        # The live app's files are young to the round: the pod's shm is seen by the app, not only its infra.
+        assert names <= _files(p)
+        killed = time.monotonic()
+        node.kill("kvp-event-app")
+        while names & _files(p) and time.monotonic() - killed < 60:
+            time.sleep(0.05)
+        assert not names & _files(p), "the dead app's files are still there a minute after its SIGKILL"
+        ev = json.loads(agent.stdout.readline())
+        validate(ev, "gc_event")
+        assert [pl["path"] for pl in ev["places"]] == [p.shm] and ev["places"][0]["holder"] == p.infra_pid
+        assert {os.path.basename(e["path"]) for e in ev["entries"] if e["action"] == "removed"} == names
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(60) in (0, 3), agent.stderr.read() if agent.stderr else ""
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()

@@ -1,4 +1,4 @@
-"""doctor `small-shm`: a tensor-parallel serve whose ranks see a /dev/shm smaller than it needs (docs/PLACES.md §6).
+"""doctor `small-shm`: a tensor-parallel serve whose ranks see a /dev/shm smaller than it needs (docs/PLACES.md §7).
 
 The serve is a stand-in, as strict as the real one where doctor looks: an EngineCore and its workers by vLLM
 0.33's titles (`VLLM::EngineCore`, `VllmWorker-<rank>`), the workers its children, in a private mount

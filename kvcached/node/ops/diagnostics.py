@@ -751,6 +751,54 @@ def check_pods(ctx: Context) -> list[CheckResult]:
               places=n, errors=errors)
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def check_events(ctx: Context) -> list[CheckResult]:
+    """Whether gc --every -A's event path can run here (ops/events.py): pidfds, inotify, the open-files limit."""
+    import errno as errno_
+    import os as os_
+    import resource
+
+    from ..base.inotify import Inotify
+
+    g = Group.ENVIRONMENT
+    out: list[CheckResult] = []
+    try:
+        os_.close(os_.pidfd_open(os_.getpid()))
+    except (AttributeError, OSError) as e:
+        why = "no os.pidfd_open in this Python" if isinstance(e, AttributeError) else \
+            ("the kernel has no pidfd_open (below 5.3)" if e.errno == errno_.ENOSYS else f"pidfd_open: {e.strerror}")
+        out += _r("events", g, Status.WARN, f"{why}: gc --every -A sees exits only at its rounds",
+                  "a kernel of 5.3 or later; where a seccomp profile refuses pidfd_open, allow it (the DaemonSet's "
+                  "RuntimeDefault allows it on containerd and CRI-O)", pidfd=False)
+    watches = _read_int("/proc/sys/fs/inotify/max_user_watches")
+    try:
+        with Inotify() as ino:
+            ino.add(ctx.layout.shm_dir)
+    except OSError as e:
+        out += _r("events", g, Status.WARN, f"inotify: {e.strerror}: gc --every -A sees new files only at its "
+                  "rounds", "raise fs.inotify.max_user_instances and fs.inotify.max_user_watches (sysctl)",
+                  inotify=False, max_user_watches=watches)
+    processes = len(ctx.plan.facts.processes)
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < processes + 64:
+        out += _r("events", g, Status.WARN, f"the open-files limit ({soft}) is below one pidfd for each of the "
+                  f"{processes} processes: places beyond it see exits only at gc --every's rounds",
+                  "raise the limit (LimitNOFILE=, ulimit -n) above the node's processes", nofile=soft,
+                  processes=processes)
+    if out:
+        return out
+    return _r("events", g, Status.OK, "pidfds and inotify available: gc --every -A judges a place again when its "
+              f"processes exit or it gets new files (open-files limit {soft}, {processes} processes)",
+              pidfd=True, inotify=True, nofile=soft, max_user_watches=watches)
+
+
 def check_capacity(ctx: Context) -> list[CheckResult]:
     """How full each place is (the host's; with -A every place): warn and fail at KVCTL_CAPACITY_WARN and _FAIL."""
     from ..places.doctor import capacity_findings
@@ -788,6 +836,8 @@ CHECKS: tuple[Check, ...] = (
     Check("privileges", Group.ENVIRONMENT, "who we run as and what we may clean", check_privileges),
     Check("sight", Group.ENVIRONMENT, "every process's fds, maps and status readable: hostPID, hidepid, "
           "CAP_SYS_PTRACE, security modules", check_sight),
+    Check("events", Group.ENVIRONMENT, "pidfds, inotify and the open-files limit gc --every -A's event path "
+          "needs", check_events),
     Check("logind", Group.ENVIRONMENT, "systemd-logind RemoveIPC=yes and serves of users without lingering",
           check_logind),
     Check("tmpfiles", Group.ENVIRONMENT, "systemd-tmpfiles rules that age kvcached's paths in /dev/shm or /tmp",

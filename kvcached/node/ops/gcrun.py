@@ -24,7 +24,7 @@ bench/bench_cli_start.py prints the figure).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from ..clean.orphans import KillResult
     from ..clean.sight import Sight
     from ..gpu.holders import GpuHolder, GpuReport
+    from ..places.discover import Places
     from ..places.run import PlacePlan
     from .metrics import Sink
     from .rounds import PlaceResult
@@ -93,6 +94,7 @@ class GcOptions(NamedTuple):
     all_places: bool = False           # -A: every place of the node, pods included (kvcached.node.places)
     kubelet_dir: str | None = None     # where -A finds the pods' volumes; None: KVCTL_KUBELET_DIR
     every: float | None = None         # gc --every's DURATION, said in the metrics (the agent's runs, not cron's)
+    grace_given: bool = False          # --min-age given: no place is judged without it (places.run.unseen)
 
     @property
     def engine_pass(self) -> bool:
@@ -124,6 +126,8 @@ class GcResult(NamedTuple):
     sight: Sight | None = None         # what the run could not see (sight.py): blind when it has reasons
     gpu: GpuReport | None = None       # the GPU holders, when the run judged engines
     metrics_error: str | None = None   # why --prometheus was not written (a report, not a condition: the work stands)
+    found: Places | None = None        # -A: the places found and their viewers (what gc --every's events watch)
+    start_times: Mapping[int, float] = {}  # -A: the pass's processes' start times (a pidfd is checked by them)
 
     @property
     def report(self) -> Report:
@@ -252,19 +256,26 @@ def run_gc(opts: GcOptions, *, confirm: Confirm | None = None, confirm_kill: Con
     finally:
         if lock is not None:
             lock.release()
-    if opts.prometheus or opts.metrics_sink:
-        from . import metrics
+    return write_metrics(opts, result, wall_start)
 
-        try:
-            metrics.write_report(opts.prometheus, result.report,
-                                 success=result.outcome is Outcome.CLEAN and not result.dry_run,
-                                 orphans=len(result.orphans), started=wall_start,
-                                 sink=opts.metrics_sink, blind=result.sight is not None and result.sight.blind,
-                                 gpu=result.gpu, places=result.places if result.all_places else None,
-                                 every=opts.every, fills=result.places)
-        except metrics.MetricsError as e:  # after the work: what was removed and kept is still reported
-            result = result._replace(metrics_error=str(e))
-    return result
+
+def write_metrics(opts: GcOptions, result: GcResult, started: float) -> GcResult:
+    """The run's metrics (--prometheus, --metrics-port), if asked for: the result, with why they could not be
+    written (a report, not a condition: what was removed and kept is still reported)."""
+    if not (opts.prometheus or opts.metrics_sink):
+        return result
+    from . import metrics
+
+    try:
+        metrics.write_report(opts.prometheus, result.report,
+                             success=result.outcome is Outcome.CLEAN and not result.dry_run,
+                             orphans=len(result.orphans), started=started,
+                             sink=opts.metrics_sink, blind=result.sight is not None and result.sight.blind,
+                             gpu=result.gpu, places=result.places if result.all_places else None,
+                             every=opts.every, fills=result.places)
+    except metrics.MetricsError as e:
+        return result._replace(metrics_error=str(e))
+    return result._replace(metrics_error=None)
 
 
 def _kvcached_plan(opts: GcOptions, extra: Sequence[str] = ()) -> Plan:
@@ -276,16 +287,17 @@ def _kvcached_plan(opts: GcOptions, extra: Sequence[str] = ()) -> Plan:
     return p if opts.kvcached_pass else replace(p, roots=[])
 
 
-def _plan_round(opts: GcOptions, p: Plan) -> tuple[list[PlacePlan], list[str]]:
+def _plan_round(opts: GcOptions, p: Plan) -> tuple[list[PlacePlan], Places]:
     """Every place's plans from the host plan's facts, the host's first (its kvcached plan is `p` itself); and
-    what could not be read while finding the places (-A)."""
+    the places found (-A), with what could not be read while finding them."""
     from ..places.run import plan_place, scope_of
 
     dirs = rpc_dirs(opts.layout.root) if opts.rpc_dirs is None else tuple(opts.rpc_dirs)
     scope = scope_of(opts.layout, p.policy, p.facts, every_place=opts.all_places, kubelet_dir=opts.kubelet_dir,
                      now=p.now, kvcached=opts.kvcached_pass, engines=opts.engine_pass, names=opts.names,
-                     kinds=opts.kinds, engine_kinds=opts.engine_kinds, rpc_dirs=dirs, proc_root=opts.proc_root)
-    return [plan_place(pl, scope, p) for pl in scope.places.all()], list(scope.places.errors)
+                     kinds=opts.kinds, engine_kinds=opts.engine_kinds, rpc_dirs=dirs, proc_root=opts.proc_root,
+                     grace_given=opts.grace_given)
+    return [plan_place(pl, scope, p) for pl in scope.places.all()], scope.places
 
 
 def _ask(confirm: Confirm, plans: Sequence[PlacePlan]) -> bool:
@@ -332,7 +344,7 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
         from ..gpu.holders import prepare
 
         prepare(p.facts)  # the engine pass's one read of the maps also finds GPU mappings
-    plans, place_errors = _plan_round(opts, p)
+    plans, found = _plan_round(opts, p)
     if opts.all_places and opts.names and not any(x.plan is not None and x.plan.matched for x in plans):
         raise NoMatch(f"no deployment matches {' '.join(opts.names)} in any place of the node")
     gpu = None
@@ -344,7 +356,7 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
         if ended:  # what they held (their /dev/shm buffers) is judged again without them
             killed += ended
             p = _kvcached_plan(opts, extra)
-            plans, place_errors = _plan_round(opts, p)
+            plans, found = _plan_round(opts, p)
     dry = opts.dry_run
     declined = False
     # Only a question needs to know whether anything is stale: a dry run and --yes skip the pass over every entry.
@@ -357,8 +369,11 @@ def _judge_and_act(opts: GcOptions, started: float, confirm: Confirm | None, con
     places = [act(pp, dry_run=dry, time_limit=left(), progress=progress) for pp in plans]
     return GcResult(places=places, dry_run=dry, outcome=outcome_of(*(r.report for r in places), killed=killed),
                     all_places=opts.all_places,
-                    orphans=orphans, killable=killable, killed=killed, declined=declined, place_errors=place_errors,
-                    sight=assess(opts.proc_root, p.facts), gpu=gpu)
+                    orphans=orphans, killable=killable, killed=killed, declined=declined,
+                    place_errors=list(found.errors), sight=assess(opts.proc_root, p.facts), gpu=gpu,
+                    found=found if opts.all_places else None,
+                    start_times={pid: i.start_time for pid, i in p.facts.processes.items()} if opts.all_places
+                    else {})
 
 
 def _refuse_engine_name(name: str) -> None:

@@ -4,7 +4,7 @@ Docker's and containerd's default /dev/shm is 64 MiB. A serve with more
 than one rank on a node needs far more there, and fails at its start or on
 its first large message with "No space left on device", an NCCL error or a
 Bus error. What it needs, read from the engines' and NCCL's sources
-(docs/PLACES.md §6):
+(docs/PLACES.md §7):
 
 - vLLM 0.33's multiproc executor (every serve with more than one rank on a
   node): EngineCore's broadcast ring of 10 chunks of VLLM_MQ_MAX_CHUNK_BYTES_MB

@@ -5,7 +5,7 @@ device", an NCCL error, a DataLoader "Bus error") long before anything is
 stale: the Kubernetes metrics of memory-backed volumes leave it out. The
 measure is one open and one fstatvfs of the place's directory, checked to be
 the filesystem the place was found on; what fills it comes from the entries
-a run judged there, so it costs no scan of its own (docs/PLACES.md §5).
+a run judged there, so it costs no scan of its own (docs/PLACES.md §6).
 """
 
 from __future__ import annotations

@@ -18,13 +18,24 @@ Every candidate outside the host carries its place (`origin.place`).
 A round over the node is plan_place over every place (gc -A asks the operator
 between the two), then act_place over each; one place alone (a place an event
 touched) is the same two calls (ops/rounds.py).
+
+The grace age guards what a live process may be making or handing on. A
+place that no live process can see (`unseen`: no viewer but its sandbox's
+holder, every process's mount namespace read, no process hidden) has no one
+who could be in the middle of making or taking a file, so it is judged
+without one, unless the operator gave --min-age (`Scope.grace_given`). Such a
+plan carries the /proc pass's processes, and act_place first looks for a
+process started since then that sees the place (the kubelet restarting a
+container between the judgement and the act): if there is one, or if that
+cannot be told, nothing there is removed this time (`DEFERRED`), and the
+next judgement keeps the grace for the new viewer (docs/PLACES.md §5).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -53,6 +64,8 @@ class PlacePlan(NamedTuple):
     place: Place
     plan: Plan | None = None
     engines: EnginePlan | None = None
+    # Judged without a grace age (unseen): the pass's processes, for act_place's look for one started since.
+    ungraced: Facts | None = None
 
     def sources(self) -> list[SourcePlan]:
         return [x for x in (self.plan, self.engines) if x is not None]
@@ -101,6 +114,7 @@ class Scope(NamedTuple):
     # Every name kvcached ties to its state anywhere on the node: a segment's name is tied to kvcached by a
     # socket directory that may sit in another place (a container's /tmp and /dev/shm are two filesystems).
     kvcached_names: frozenset[str] = frozenset()
+    grace_given: bool = False           # --min-age given: every place keeps it, seen or not
 
 
 def _kvcached_names(layout: Layout, places: Places, facts: Facts) -> set[str]:
@@ -117,23 +131,55 @@ def _kvcached_names(layout: Layout, places: Places, facts: Facts) -> set[str]:
 def scope_of(layout: Layout, policy: Policy, facts: Facts, *, every_place: bool = True,
              kubelet_dir: str | None = None, now: float | None = None, kvcached: bool = True, engines: bool = False,
              names: Sequence[str] = (), kinds: Sequence[Kind] = (), engine_kinds: Sequence[EngineKind] = (),
-             rpc_dirs: Sequence[str] = (), proc_root: str = "/proc") -> Scope:
+             rpc_dirs: Sequence[str] = (), proc_root: str = "/proc", grace_given: bool = False,
+             mapped: Collection[int] | None = None) -> Scope:
     """The scope of one round: every place of the node (discover), or the host alone (`every_place` False).
 
     With the engines asked for, the devices of every place are announced to
     the facts, so that the one read of every process's maps that the first
-    place's engine evidence makes serves every other place's too.
+    place's engine evidence makes serves every other place's too; `mapped`:
+    only these devices (the places an event touched, judged alone: each
+    device more costs every map line one more search).
     """
     from .discover import Places, discover
 
     host = HOST._replace(path=layout.root)
     places = discover(facts, layout, kubelet_dir=kubelet_dir) if every_place else Places(host, [])
     if engines:
-        facts.also_map(pl.dev for pl in places.others if pl.dev is not None)
+        facts.also_map(pl.dev for pl in places.others if pl.dev is not None and (mapped is None or pl.dev in mapped))
     return Scope(layout=layout, policy=policy, facts=facts, places=places, now=time.time() if now is None else now,
                  kvcached=kvcached, engines=engines, names=tuple(names), kinds=tuple(kinds),
                  engine_kinds=tuple(engine_kinds), rpc_dirs=tuple(rpc_dirs), proc_root=proc_root,
-                 kvcached_names=frozenset(_kvcached_names(layout, places, facts)))
+                 kvcached_names=frozenset(_kvcached_names(layout, places, facts)), grace_given=grace_given)
+
+
+def unseen(place: Place, scope: Scope) -> bool:
+    """Whether no live process can see the place: no viewer but its holder, and nothing hidden that might be one.
+
+    A process whose mount namespace could not be read counts as seeing every
+    place already (discover); an engine-like one whose namespace is not
+    known at all, or one hidden from this view (hidepid, other users), might
+    see it: then it is not unseen.
+    """
+    if place.is_host or place.errors:
+        return False
+    facts = scope.facts
+    # A process whose namespace could not be read might see the place, if it could be an engine's (the rule
+    # every source's evidence follows: a sandbox's init or an sshd we may not ptrace makes no engine files).
+    # A zombie has no mount namespace left: it sees nothing.
+    if facts.hidepid or facts.hidden_users or any(p.mnt_ns is None and p.proc_state not in ("Z", "X")
+                                                  and p.engine_like for p in facts.processes.values()):
+        return False
+    viewers = set(scope.places.viewers.get(place.dev, ()) if place.dev is not None else ()) | set(place.pids)
+    viewers.discard(place.holder)
+    return not viewers
+
+
+def _policy(place: Place, scope: Scope) -> Policy:
+    """The place's policy: the scope's, without a grace age where no live process can see the place."""
+    if scope.grace_given or not unseen(place, scope):
+        return scope.policy
+    return replace(scope.policy, grace=0.0)
 
 
 def _in_place(c: Candidate, place: Place) -> Candidate:
@@ -141,14 +187,14 @@ def _in_place(c: Candidate, place: Place) -> Candidate:
     return c._replace(place=place, children=tuple(_in_place(x, place) for x in c.children))
 
 
-def _plan_kvcached(place: Place, scope: Scope) -> Plan:
+def _plan_kvcached(place: Place, scope: Scope, policy: Policy) -> Plan:
     """cleanup.plan of one place other than the host, with the facts as the place sees them; only entries on
     its own filesystem."""
     from ..clean.cleanup import plan
     from .evidence import place_facts
 
     exact = [n for n in scope.names if not any(ch in n for ch in "*?[")]
-    p = plan(place.layout(scope.layout), scope.policy, facts=place_facts(scope.facts, scope.places, place),
+    p = plan(place.layout(scope.layout), policy, facts=place_facts(scope.facts, scope.places, place),
              names=sorted(scope.kvcached_names | set(exact)), globs=list(scope.names), kinds=scope.kinds,
              now=scope.now)
     kept = [_in_place(c, place) for c in p.roots if c.ident[0] == place.dev]
@@ -158,7 +204,7 @@ def _plan_kvcached(place: Place, scope: Scope) -> Plan:
     return replace(p, roots=kept, segments=segments, errors=p.errors + dropped)
 
 
-def _plan_engines(place: Place, scope: Scope) -> EnginePlan:
+def _plan_engines(place: Place, scope: Scope, policy: Policy) -> EnginePlan:
     """One place's engine plan: its scan, the evidence as it sees it, decide_engines (the host's own path)."""
     from ..clean.leftovers.act import decide_engines
     from ..clean.leftovers.evidence import gather_engine_evidence
@@ -177,7 +223,7 @@ def _plan_engines(place: Place, scope: Scope) -> EnginePlan:
         named = {c.creator_pid for c in found.candidates
                  if c.family.evidence is Evidence.CREATOR and c.creator_pid is not None}
         ev = for_place(ev, place, creators(facts, scope.places, named, only=place))
-    return decide_engines(place.layout(scope.layout), found, ev, facts, scope.policy, scope.now,
+    return decide_engines(place.layout(scope.layout), found, ev, facts, policy, scope.now,
                           kinds=scope.engine_kinds, errors=facts.errors if place.is_host else ())
 
 
@@ -189,25 +235,28 @@ def plan_place(place: Place, scope: Scope, host_plan: Plan | None = None) -> Pla
     """
     if place.is_host:
         plan = host_plan  # gc's: judged even when --kind leaves it nothing to act on (an empty part)
-    else:
-        plan = _plan_kvcached(place, scope) if scope.kvcached else None
-    return PlacePlan(place, plan, _plan_engines(place, scope) if scope.engines else None)
+        return PlacePlan(place, plan, _plan_engines(place, scope, scope.policy) if scope.engines else None)
+    policy = _policy(place, scope)
+    plan = _plan_kvcached(place, scope, policy) if scope.kvcached else None
+    return PlacePlan(place, plan, _plan_engines(place, scope, policy) if scope.engines else None,
+                     ungraced=scope.facts if policy is not scope.policy else None)
 
 
 def plan_places(layout: Layout, policy: Policy, facts: Facts, *, kvcached: bool = True, engines: bool = False,
                 engine_kinds: Iterable[EngineKind] = (), rpc_dirs: Sequence[str] = (), kubelet_dir: str | None = None,
                 host_plan: Plan | None = None, now: float | None = None, proc_root: str = "/proc",
-                names: Sequence[str] = (), kinds: Iterable[Kind] = ()) -> PlacesPlan:
+                names: Sequence[str] = (), kinds: Iterable[Kind] = (), grace_given: bool = False) -> PlacesPlan:
     """Find every place (discover) and plan each, host first; no side effects.
 
     `host_plan`: the host's kvcached plan the caller already made from the
     same facts (gc's, which also finds orphans), used as it is; without one
     the host's is made here. `names` (exact names or globs) and `kinds`
-    filter kvcached's entries as gc's do.
+    filter kvcached's entries as gc's do; `grace_given`: the policy's grace
+    age was asked for, and holds in every place (Scope.grace_given).
     """
     scope = scope_of(layout, policy, facts, kubelet_dir=kubelet_dir, now=now, kvcached=kvcached, engines=engines,
                      names=tuple(names), kinds=tuple(kinds), engine_kinds=tuple(engine_kinds),
-                     rpc_dirs=tuple(rpc_dirs), proc_root=proc_root)
+                     rpc_dirs=tuple(rpc_dirs), proc_root=proc_root, grace_given=grace_given)
     if kvcached and host_plan is None:
         host_plan = host_kvcached_plan(scope, sorted(scope.kvcached_names))
     return PlacesPlan(scope.places, [plan_place(pl, scope, host_plan) for pl in scope.places.all()],
@@ -236,6 +285,51 @@ def _same_directory(place: Place) -> str | None:
     return None
 
 
+DEFERRED = ("a process started since the judgement sees the place (a container restarted?); judged again with "
+            "the grace age")
+
+
+def started_since(place: Place, facts: Facts) -> str | None:
+    """Why a place judged without a grace age must not be acted on now: a process the pass did not see can see
+    it, or it cannot be told whether one does; None: no such process.
+
+    Only processes absent from the pass are read, each one's mount namespace
+    once: a restarted container is a new process in a new namespace. A
+    namespace's mount table is matched on the place's device alone (not on
+    where it is mounted), so a runtime's own copy counts too: more often
+    kept, never less.
+    """
+    from ..base.mounts import read_mountinfo
+
+    proc = facts.proc_root
+    try:
+        names = os.listdir(proc)
+    except OSError as e:
+        return f"{proc}: {e.strerror}; not acted on"
+    seen: dict[str, bool] = {}
+    for name in names:
+        if not name.isdigit() or int(name) in facts.processes:
+            continue
+        try:
+            ns = os.readlink(f"{proc}/{name}/ns/mnt")
+        except FileNotFoundError:
+            continue  # started and gone since
+        except OSError as e:
+            return f"{proc}/{name}/ns/mnt: {e.strerror}: whether it sees the place is unknown; not acted on"
+        if ns == facts.my_mnt_ns:
+            continue  # kvctl's own namespace: the node's, where no place is anyone's /dev/shm
+        if ns not in seen:
+            mounts = read_mountinfo(proc, int(name))
+            if mounts is None:
+                if os.path.exists(f"{proc}/{name}"):
+                    return f"{proc}/{name}/mountinfo: could not be read; not acted on"
+                continue
+            seen[ns] = any(m.dev == place.dev for m in mounts)
+        if seen[ns]:
+            return DEFERRED
+    return None
+
+
 def _kept(p: SourcePlan, why: str) -> SourcePlan:
     """The plan with nothing stale left to act on: its place moved since the judgement (unknown: kept)."""
     from ..clean.report import Decision
@@ -255,6 +349,8 @@ def act_place(pp: PlacePlan, *, dry_run: bool, time_limit: float | None = None,
     if not sources:
         return None
     moved = _same_directory(pp.place)
+    if moved is None and pp.ungraced is not None:
+        moved = started_since(pp.place, pp.ungraced)
     if moved is not None:
         sources = [_kept(x, moved) for x in sources]
     return execute(*sources, dry_run=dry_run, time_limit=time_limit, progress=progress)
