@@ -104,7 +104,6 @@ pure_eval==0.2.4
 python-multipart==0.0.34
 pycparser==3.12
 sentencepiece==0.2.1
-setproctitle==1.3.8
 soundfile==0.13.1
 stack-data==0.6.3
 traitlets==5.16.1

@@ -80,12 +80,14 @@ NODEPS=(
 
 # The import-time packages vLLM's modules need (einops: the worker's KV cache
 # allocation, vllm.v1.worker.utils, which the elastic KV tests drive). oss-harmony is vLLM 0.33's own
-# declared dependency (a fork of openai-harmony); it provides `openai_harmony`.
+# declared dependency (a fork of openai-harmony); it provides `openai_harmony`. setproctitle:
+# vLLM titles its processes (VLLM::EngineCore, VLLM::Worker_TP<r>) only where it imports, and
+# kvctl finds a serve's processes by those titles (tests/vllm/test_published.py).
 TOP=(
     packaging msgspec regex cbor2 pyzmq urllib3 transformers aiohttp requests
     oss-harmony openai pillow pybase64 cachetools prometheus_client cloudpickle
     uvloop py-cpuinfo fastapi partial_json_parser llguidance psutil numpy
-    einops
+    einops setproctitle
 )
 
 # The versions tested together (everything those resolve to, less torch's own
@@ -137,6 +139,7 @@ pyzmq==27.3.0
 regex==2026.11.19
 requests==2.34.2
 safetensors==0.8.0
+setproctitle==1.3.8
 sniffio==1.3.1
 starlette==1.10.0
 tokenizers==0.23.3

@@ -268,7 +268,7 @@ def test_detect_reports_conditions_and_patches(clean_patches, monkeypatch) -> No
     from kvcached.integration.vllm.detect import section
 
     eng = section()
-    assert eng.version == "0.33.0" and eng.error is None
+    assert eng.version == metadata.version("vllm") and eng.error is None
     assert {c.name: c.present for c in eng.conditions} == {
         "shutdown-timeout-zero": True, "sigterm-reset-before-teardown": True, "lmcache-no-shutdown-forwarding": True}
     lifecycle = {p.name: p for p in eng.patches if p.name != "elastic-kv"}
