@@ -1,4 +1,4 @@
-"""vLLM 0.33's real Scheduler, without a model, over kvcached's elastic pool and over vLLM's own: a step's CPU time.
+"""vLLM's real Scheduler (0.33, 0.34), no model, over kvcached's elastic pool and over vLLM's own: a step's CPU time.
 
 Used by bench_elastic.py (its first figure). Both schedulers are built as vLLM builds one
 (VllmConfig with its SchedulerConfig and CacheConfig, the KV cache config
