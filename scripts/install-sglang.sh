@@ -72,7 +72,7 @@ NODEPS=(
 # The import-time packages SGLang's modules need beyond what vLLM's script
 # installed (IPython: `import sglang` reaches sglang.lang's notebook helpers;
 # dill, sentencepiece, gguf, compressed-tensors: the model and quantization
-# modules the scheduler imports; setproctitle: every process titles itself;
+# modules the scheduler imports; setproctitle: every process titles itself (its pin is vLLM's);
 # uvicorn and python-multipart: the HTTP server module, whose form routes
 # FastAPI refuses to build without it; soundfile: the multimodal processors).
 TOP=(
