@@ -1,13 +1,13 @@
 # Two commands on a bare machine (Python ≥ 3.10 with venv and a C++ compiler):
 #   make demo   install kvcached + kvctl into .venv and run `kvctl demo`
-#   make test   install the test dependencies (vLLM 0.33 and SGLang 0.5.23 without a GPU included) and run the suite
-# and for developers: make test-fast (the tests that need neither vLLM nor SGLang), make lint (ruff + mypy),
-# make bench, make completions.
+#   make test   install the test dependencies (vLLM 0.34 and SGLang 0.5.23 without a GPU included) and run the suite
+# and for developers: make test-vllm033 (tests/vllm again, on vLLM 0.33 in a second venv), make test-fast (the
+# tests that need neither vLLM nor SGLang), make lint (ruff + mypy), make bench, make completions.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: demo test test-fast lint bench completions clean install-docs install-cron install-systemd image
+.PHONY: demo test test-vllm033 test-fast lint bench completions clean install-docs install-cron install-systemd image
 
 # The suite runs on PYTEST_WORKERS processes (pytest-xdist; 1: in pytest's own process, as plain pytest does).
 # Tests share a worker where they share a fixture (tests/conftest.py, docs/CONTRIBUTING.md "Tests").
@@ -20,7 +20,7 @@ $(VENV)/.base: pyproject.toml setup.py
 	$(PIP) install -q -e .
 	touch $@
 
-# What the tests add: pytest and friends, then vLLM 0.33 without a GPU.
+# What the tests add: pytest and friends, then vLLM (0.34, install-vllm.sh's default) without a GPU.
 $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q -e '.[test]'
 	touch $@
@@ -48,6 +48,19 @@ demo: $(VENV)/.base
 
 test: $(VENV)/.sglang $(VENV)/typer-lowest/.done
 	$(PY) -m pytest -q -ra $(XDIST) $(PYTEST_ARGS)
+
+# The other proven vLLM (kvcached.integration.vllm.common.PROVEN_VERSIONS): its own venv, which runs tests/vllm only
+# (docs/CONTRIBUTING.md, "Two venvs, two vLLMs"). Its torch is the same local CPU wheel.
+VENV033 ?= .venv-vllm033
+PY033 := $(VENV033)/bin/python
+$(VENV033)/.vllm: pyproject.toml setup.py scripts/install-vllm.sh
+	python3 -m venv $(VENV033)
+	$(PY033) -m pip --disable-pip-version-check install -q -e '.[test]'
+	. $(VENV033)/bin/activate && bash scripts/install-vllm.sh 0.33.0
+	touch $@
+
+test-vllm033: $(VENV033)/.vllm
+	KVCACHED_REQUIRE_VLLM=$${KVCACHED_REQUIRE_VLLM:+0.33.0} $(PY033) -m pytest -q -ra $(XDIST) tests/vllm $(PYTEST_ARGS)
 
 # The edit-test loop: everything but tests/vllm and tests/sglang (and the few tests elsewhere marked vllm
 # or sglang), on a venv without either engine. Not enough before a push: CI runs make test.
@@ -103,5 +116,5 @@ image:
 # older build's kvcached/_kvpages*.so included). Tool caches (.pytest_cache, .mypy_cache,
 # .ruff_cache, .hypothesis) are not build outputs and stay.
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV033) build *.egg-info
 	find kvcached -name '*.so' -type f -delete

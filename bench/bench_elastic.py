@@ -1,4 +1,4 @@
-"""Elastic KV inside vLLM 0.33: what a scheduler step costs, block pool cost, mapped memory, side by side.
+"""Elastic KV inside vLLM (0.33, 0.34): what a scheduler step costs, block pool cost, mapped memory, side by side.
 
     python bench/bench_elastic.py [--rounds 15] [--steps 1500] [--step-rounds 30] [--step-steps 150]
 

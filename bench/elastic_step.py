@@ -1,4 +1,4 @@
-"""vLLM 0.33's real Scheduler, without a model, over kvcached's elastic pool and over vLLM's own: a step's CPU time.
+"""vLLM's real Scheduler (0.33, 0.34), no model, over kvcached's elastic pool and over vLLM's own: a step's CPU time.
 
 Used by bench_elastic.py (its first figure). Both schedulers are built as vLLM builds one
 (VllmConfig with its SchedulerConfig and CacheConfig, the KV cache config
@@ -77,7 +77,7 @@ class Side:
         core adds requests while the model runs), so that three clock reads
         time a step.
         """
-        from vllm.v1.outputs import ModelRunnerOutput
+        from tests.vllm.elastic_support import model_runner_output
 
         clock = time.thread_time
         sched, requests = self.sched, self.sched.requests
@@ -90,8 +90,7 @@ class Side:
             t1 = clock()
             ids = list(out.num_scheduled_tokens)
             sampled = [[7] if requests[r].num_computed_tokens >= requests[r].num_prompt_tokens else [] for r in ids]
-            mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                    sampled_token_ids=sampled)
+            mro = model_runner_output(ids, sampled)
             if record:
                 self.tokens.append(out.total_num_scheduled_tokens)
                 self.running.append(len(ids))

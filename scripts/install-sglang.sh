@@ -72,7 +72,7 @@ NODEPS=(
 # The import-time packages SGLang's modules need beyond what vLLM's script
 # installed (IPython: `import sglang` reaches sglang.lang's notebook helpers;
 # dill, sentencepiece, gguf, compressed-tensors: the model and quantization
-# modules the scheduler imports; setproctitle: every process titles itself;
+# modules the scheduler imports; setproctitle: every process titles itself (its pin is vLLM's);
 # uvicorn and python-multipart: the HTTP server module, whose form routes
 # FastAPI refuses to build without it; soundfile: the multimodal processors).
 TOP=(
@@ -104,7 +104,6 @@ pure_eval==0.2.4
 python-multipart==0.0.34
 pycparser==3.12
 sentencepiece==0.2.1
-setproctitle==1.3.8
 soundfile==0.13.1
 stack-data==0.6.3
 traitlets==5.16.1

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Make vLLM 0.33.0 importable without a GPU, in the *current* Python (activate
-# the venv first). Used by .ci/run and by developers before the vLLM
-# integration tests (tests/vllm).
+# Make vLLM importable without a GPU, in the *current* Python (activate the
+# venv first): VERSION, one of VERSIONS below (default VLLM_DEFAULT). Used by
+# the Makefile (0.34.0 in .venv, 0.33.0 in .venv-vllm033), .ci/run through it,
+# and by developers before the vLLM integration tests (tests/vllm).
 #
 # vLLM's own dependency set wants a CUDA torch 2.14 and a pile of GPU kernels,
 # so vLLM goes in with --no-deps and we add only what its modules import at
@@ -14,12 +15,43 @@
 # HTTP cache is not reliable on every machine. Quiet: pip's output is shown
 # only when a step fails.
 #
-# Usage: bash scripts/install-vllm.sh [--force]
+# The import-time set below holds for every version in VERSIONS: each was
+# installed with it and its tests/vllm run (docs/VLLM.md, "Versions"). Their
+# declared requirements differ only in packages we do not install (0.34 raises
+# its lower bounds of filelock, mistral_common, opentelemetry; its transformers
+# range, <5.23, contains 0.33's, <5.21, and the pin).
+#
+# Usage: bash scripts/install-vllm.sh [--force] [VERSION]
+# Exit status: 0 importable; 1 an install step failed; 2 usage (an unknown VERSION).
 set -euo pipefail
 
 PY=${PYTHON:-python}
 TORCH_VERSION=2.13.0
-VLLM_VERSION=0.33.0
+VLLM_DEFAULT=0.34.0
+# The proven range: kvcached.integration.vllm.common.PROVEN_VERSIONS is the same list.
+VERSIONS=(
+    0.33.0
+    0.34.0
+)
+
+FORCE=0
+VLLM_VERSION=$VLLM_DEFAULT
+for arg in "$@"; do
+    case $arg in
+        --force) FORCE=1 ;;
+        -h | --help)
+            sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+            exit 0
+            ;;
+        *)
+            if [[ " ${VERSIONS[*]} " != *" $arg "* ]]; then
+                echo "install-vllm: unknown version '$arg' (this script knows ${VERSIONS[*]})" >&2
+                exit 2
+            fi
+            VLLM_VERSION=$arg
+            ;;
+    esac
+done
 WHEELHOUSE=${KVCACHED_WHEELHOUSE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcached/wheels}
 
 # What the integration needs to import (see docs/VLLM.md for why each).
@@ -33,7 +65,7 @@ MODULES=(
     vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector
     vllm.plugins
     vllm.v1.worker.utils
-    vllm.v1.worker.gpu_model_runner
+    vllm.v1.worker.gpu.attn_utils
     vllm.v1.core.sched.scheduler
 )
 
@@ -48,12 +80,14 @@ NODEPS=(
 
 # The import-time packages vLLM's modules need (einops: the worker's KV cache
 # allocation, vllm.v1.worker.utils, which the elastic KV tests drive). oss-harmony is vLLM 0.33's own
-# declared dependency (a fork of openai-harmony); it provides `openai_harmony`.
+# declared dependency (a fork of openai-harmony); it provides `openai_harmony`. setproctitle:
+# vLLM titles its processes (VLLM::EngineCore, VLLM::Worker_TP<r>) only where it imports, and
+# kvctl finds a serve's processes by those titles (tests/vllm/test_published.py).
 TOP=(
     packaging msgspec regex cbor2 pyzmq urllib3 transformers aiohttp requests
     oss-harmony openai pillow pybase64 cachetools prometheus_client cloudpickle
     uvloop py-cpuinfo fastapi partial_json_parser llguidance psutil numpy
-    einops
+    einops setproctitle
 )
 
 # The versions tested together (everything those resolve to, less torch's own
@@ -105,6 +139,7 @@ pyzmq==27.3.0
 regex==2026.11.19
 requests==2.34.2
 safetensors==0.8.0
+setproctitle==1.3.8
 sniffio==1.3.1
 starlette==1.10.0
 tokenizers==0.23.3
@@ -116,9 +151,6 @@ urllib3==2.8.0
 uvloop==0.23.0
 yarl==1.25.1
 '
-
-FORCE=0
-[[ ${1:-} == --force ]] && FORCE=1
 
 importable() {
     WANT_VLLM=$VLLM_VERSION "$PY" - "${MODULES[@]}" >/dev/null 2>&1 <<'EOF'

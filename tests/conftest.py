@@ -41,22 +41,28 @@ def both(argname: str = "patched", *, indirect: bool = True) -> pytest.MarkDecor
 
 
 def _require_vllm() -> None:
-    """With KVCACHED_REQUIRE_VLLM=1 (CI sets it), stop the session unless vLLM imports.
+    """With KVCACHED_REQUIRE_VLLM=1 (CI sets it), stop the session unless vLLM imports; =<version>: that one.
 
     The vLLM integration modules skip when vLLM is absent, which is right on a
     developer's machine without it and wrong in CI: there a failed install would
     pass as seven skipped modules. Importing it here, before collection, fails
-    the whole run instead, and no skip can hide it.
+    the whole run instead, and no skip can hide it. A version (CI's second venv:
+    0.33.0) also fails a venv that holds another release than the one it proves.
     """
-    if os.environ.get("KVCACHED_REQUIRE_VLLM", "") != "1":
+    want = os.environ.get("KVCACHED_REQUIRE_VLLM", "")
+    if want in ("", "0"):
         return
     try:
         import vllm
     except Exception as e:  # noqa: BLE001 - whatever stops the import stops the run
         raise pytest.UsageError(
-            f"KVCACHED_REQUIRE_VLLM=1, but vLLM does not import ({type(e).__name__}: {e}); its integration tests "
-            "would be skipped. Install it into this venv: bash scripts/install-vllm.sh") from None
-    print(f"kvcached tests: vLLM {getattr(vllm, '__version__', '?')} required and present")
+            f"KVCACHED_REQUIRE_VLLM={want}, but vLLM does not import ({type(e).__name__}: {e}); its integration "
+            "tests would be skipped. Install it into this venv: bash scripts/install-vllm.sh") from None
+    have = getattr(vllm, "__version__", "?")
+    if want != "1" and have != want:
+        raise pytest.UsageError(f"KVCACHED_REQUIRE_VLLM={want}, but this venv has vLLM {have}: "
+                                f"bash scripts/install-vllm.sh {want}")
+    print(f"kvcached tests: vLLM {have} required and present")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -24,7 +24,7 @@ import inspect
 import logging
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -77,6 +77,53 @@ def require(cond: bool, why: str) -> None:
     """A probe's check: the engine does not have the expected shape (`why`) unless `cond` holds."""
     if not cond:
         raise ShapeError(why)
+
+
+def _first_difference(have: Sequence[str], want: Sequence[str]) -> str:
+    for i, (h, w) in enumerate(zip(have, want)):
+        if h != w:
+            return f"parameter {i + 1} is {h}, not {w}"
+    if len(have) < len(want):
+        return f"it lacks {', '.join(want[len(have):])}"
+    return f"it adds {', '.join(have[len(want):])}"
+
+
+def which_params(fn: Any, label: str, shapes: Mapping[str, Sequence[str]], *, prefix: bool = False) -> str:
+    """The key of the one of `shapes` (parameter names) that the engine's `fn` has; ShapeError otherwise.
+
+    `prefix`: a shape is the leading parameters only (later ones may come and
+    go). The error names `fn` (as `label`), the parameters it has, and how they
+    differ from each known shape, so that a standing-aside message says what
+    changed, not merely that something did.
+    """
+    have = params(fn)
+    if not have:
+        raise ShapeError(f"{label} is missing or has no signature")
+    for key, want in shapes.items():
+        if (have[:len(want)] if prefix else have) == list(want):
+            return key
+    diffs = "; ".join(f"{key}'s ({', '.join(want)}): {_first_difference(have, want)}" for key, want in shapes.items())
+    raise ShapeError(f"{label}({', '.join(have)}) has none of the known shapes: {diffs}")
+
+
+def dataclass_fields(cls: Any) -> set[str]:
+    """The field names of dataclass `cls` ({} when it is not one)."""
+    return set(getattr(cls, "__dataclass_fields__", {}))
+
+
+def require_fields(cls: Any, label: str, names: Iterable[str]) -> None:
+    """ShapeError naming each of `names` that dataclass `cls` (`label`) lacks as a field."""
+    missing = sorted(set(names) - dataclass_fields(cls))
+    require(not missing, f"{label} has no field {', '.join(missing)}")
+
+
+def which_field(cls: Any, label: str, shapes: Mapping[str, str]) -> str:
+    """The key of the one of `shapes` (a field name each) that dataclass `cls` has; ShapeError naming them all."""
+    fields = dataclass_fields(cls)
+    for key, name in shapes.items():
+        if name in fields:
+            return key
+    raise ShapeError(f"{label} has none of the fields " + ", ".join(f"{name} ({key})" for key, name in shapes.items()))
 
 
 def source(fn: Any) -> str | None:

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 THIS = Path(__file__).resolve()
 SOURCE_SUFFIXES = (".py", ".sh", ".cpp", ".c", ".h", ".toml", ".md")
 SOURCE_NAMES = ("Makefile",)
-SKIP_DIRS = {".git", ".venv", "build", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache",
+SKIP_DIRS = {".git", "build", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache",
              ".hypothesis", "node_modules"}
 # The folder outside the repository that the team's notes live in, spelt so that this file
 # does not match its own rule.
@@ -43,9 +43,11 @@ _HEADING = re.compile(r"^#{1,6}\s+(\d+)\.\s", re.MULTILINE)
 
 
 def cited_files() -> Iterator[Path]:
-    """README, docs/ and every source file of the repository (tool caches and the venv left out)."""
+    """README, docs/ and every source file of the repository (tool caches and the venvs left out)."""
     for d, dirs, files in os.walk(REPO):
-        dirs[:] = sorted(x for x in dirs if x not in SKIP_DIRS and not x.endswith(".egg-info"))
+        # A venv is one by its pyvenv.cfg, whatever its name (.venv, make test-vllm033's .venv-vllm033).
+        dirs[:] = sorted(x for x in dirs if x not in SKIP_DIRS and not x.endswith(".egg-info")
+                         and not os.path.exists(os.path.join(d, x, "pyvenv.cfg")))
         here = Path(d)
         in_docs = here == REPO / "docs" or REPO / "docs" in here.parents
         for f in sorted(files):

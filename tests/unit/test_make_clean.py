@@ -14,6 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 BUILD_OUTPUTS = (
     ".venv/bin/python",
     ".venv/.base",
+    ".venv-vllm033/bin/python",  # make test-vllm033's venv
+    ".venv-vllm033/.vllm",
     "build/temp.linux-x86_64-cpython-311/csrc/module.o",
     "kvcached.egg-info/PKG-INFO",
     "kvcached/runtime/_kvpages.cpython-311-x86_64-linux-gnu.so",
@@ -42,5 +44,5 @@ def test_make_clean_removes_the_build_outputs_and_nothing_else(tmp_path: Path) -
     assert left == set(tracked) | set(KEPT), (
         f"removed but not build output: {sorted((set(tracked) | set(KEPT)) - left)}; "
         f"build output left: {sorted(left - set(tracked) - set(KEPT))}")
-    for d in (".venv", "build", "kvcached.egg-info"):
+    for d in (".venv", ".venv-vllm033", "build", "kvcached.egg-info"):
         assert not (tree / d).exists(), d

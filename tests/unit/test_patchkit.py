@@ -25,7 +25,10 @@ from kvcached.integration.patchkit import (
     is_ours,
     key_of,
     original,
+    require_fields,
     unwrap,
+    which_field,
+    which_params,
     wrap,
     wrapped_here,
 )
@@ -303,3 +306,54 @@ def test_a_plugin_loaded_with_kvcached_off_imports_no_patch_kit() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]"
+
+
+# -- shapes per version: what differs is named ------------------------------------------------
+
+
+def test_which_params_picks_the_shape_the_code_has_and_names_what_differs() -> None:
+    """The key of the matching shape; otherwise the function, its parameters and each shape's first difference."""
+    shapes = {"v1": ["self", "blocks"], "v2": ["self", "blocks", "evict_first"]}
+
+    def old(self, blocks): ...
+
+    def new(self, blocks, evict_first=False): ...
+
+    def renamed(self, ordered, evict_first=False): ...
+
+    def longer(self, blocks, evict_first=False, more=None): ...
+
+    assert which_params(old, "Pool.free", shapes) == "v1"
+    assert which_params(new, "Pool.free", shapes) == "v2"
+    assert which_params(longer, "Pool.free", shapes, prefix=True) == "v1"  # a prefix: the first shape that fits
+    with pytest.raises(ShapeError) as e:
+        which_params(renamed, "Pool.free", shapes)
+    assert str(e.value) == ("Pool.free(self, ordered, evict_first) has none of the known shapes: "
+                            "v1's (self, blocks): parameter 2 is ordered, not blocks; "
+                            "v2's (self, blocks, evict_first): parameter 2 is ordered, not blocks")
+    with pytest.raises(ShapeError, match=r"v2's \(self, blocks, evict_first\): it adds more"):
+        which_params(longer, "Pool.free", shapes)
+    with pytest.raises(ShapeError, match=r"v1's \(self, blocks\): it lacks blocks"):
+        which_params(lambda self: None, "Pool.free", shapes)
+    with pytest.raises(ShapeError, match="Pool.free is missing or has no signature"):
+        which_params(None, "Pool.free", shapes)
+
+
+def test_field_checks_name_only_the_fields_that_are_missing() -> None:
+    """A dataclass's fields: the missing ones named, the ones still there not; one of several alternatives."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Block:
+        block_id: int
+        ref_cnt: int = 0
+        block_hash: bytes | None = None
+
+    require_fields(Block, "Block", ["block_id", "ref_cnt"])
+    with pytest.raises(ShapeError) as e:
+        require_fields(Block, "Block", ["block_id", "is_null", "ref_cnt", "prev_free_block"])
+    assert str(e.value) == "Block has no field is_null, prev_free_block"
+    assert which_field(Block, "Block", {"v1": "_block_hash", "v2": "block_hash"}) == "v2"
+    with pytest.raises(ShapeError) as e:
+        which_field(Block, "Block", {"v1": "_hash", "v2": "hash"})
+    assert str(e.value) == "Block has none of the fields _hash (v1), hash (v2)"

@@ -130,6 +130,19 @@ def request(rid: str, prompt: list[int], max_tokens: int) -> Request:
     return Request(rid, prompt, params, None, block_hasher=_hasher)
 
 
+def model_runner_output(ids: list[str], sampled: list[list[int]]) -> Any:
+    """The model runner's output for a batch, built with the installed vLLM's own fields.
+
+    0.33's ModelRunnerOutput takes `req_id_to_index`; 0.34 dropped the field.
+    """
+    from dataclasses import fields
+
+    kw: dict[str, Any] = {"req_ids": ids, "sampled_token_ids": sampled}
+    if "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}:
+        kw["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
+    return ModelRunnerOutput(**kw)
+
+
 @dataclass
 class Driver:
     """Runs the scheduler step by step with hand-made model output."""
@@ -152,8 +165,7 @@ class Driver:
             req = self.sched.requests[rid]
             sampled.append([7] if req.num_computed_tokens >= req.num_prompt_tokens else [])
         self.preempted += len(getattr(out, "preempted_req_ids", ()) or ())
-        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=sampled)
+        mro = model_runner_output(ids, sampled)
         results = self.sched.update_from_output(out, mro)
         for eco in results.values():
             self.finished += [o.request_id for o in eco.outputs if o.finish_reason is not None]

@@ -34,7 +34,7 @@ from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
-from vllm.config import CacheConfig, ParallelConfig
+from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.worker.worker_base import WorkerBase
 
@@ -43,6 +43,25 @@ WORKER_CLS = f"{__name__}.FakeWorker"
 KV_BYTES = 64 << 20
 # How long the stand-in engine's teardown takes (see _slow_teardown).
 TEARDOWN_S = 1.0
+
+
+def defaults_of(cls: type, **values: Any) -> SimpleNamespace:
+    """Every field of vLLM's config dataclass `cls` at vLLM's own default, then `values`.
+
+    The stand-in follows the installed release: a field it adds comes with
+    its default, as in a VllmConfig that never set it.
+    """
+    import dataclasses
+
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.default_factory is not dataclasses.MISSING:
+            fields[f.name] = f.default_factory()
+        elif f.default is not dataclasses.MISSING:
+            # pydantic dataclasses keep a FieldInfo as the default of a constrained field
+            fields[f.name] = getattr(f.default, "default", f.default)
+    fields.update(values)
+    return SimpleNamespace(**fields)
 
 
 class ServeConfig:
@@ -63,18 +82,21 @@ class ServeConfig:
         )
         self.cache_config = CacheConfig()
         self.cache_config.block_size = 16
-        self.model_config = SimpleNamespace(
+        # vLLM's own fields at their defaults (the handshake and the busy loop read more of them with each
+        # release: 0.34's checkpoint_prepare_on_startup), then what a real config would derive.
+        self.model_config = defaults_of(
+            ModelConfig,
             max_model_len=2048,
             dtype="float16",
-            enable_sleep_mode=False,
             is_moe=False,
             multimodal_config=None,
             runner_type="generate",
             is_diffusion=False,
             supports_multimodal_inputs=False,
         )
-        self.scheduler_config = SimpleNamespace(
-            async_scheduling=False, max_num_seqs=8, max_num_batched_tokens=2048, enable_chunked_prefill=False
+        self.scheduler_config = defaults_of(
+            SchedulerConfig, async_scheduling=False, max_num_seqs=8, max_num_batched_tokens=2048,
+            enable_chunked_prefill=False,
         )
         self.device_config = SimpleNamespace(device="cpu")
         self.watchdog_config = SimpleNamespace(dump_dir=None, enable=False)
@@ -226,6 +248,38 @@ def engine_core_init(
     self.mm_receiver_cache = None
     self._pooler_config_logged = False
     self.available_gpu_memory_for_kv_cache = KV_BYTES
+    self.prefix_hash_config = None  # 0.34: what frontends hash prompts with; None without prefix caching
+    from vllm.v1.engine.core import EngineCoreProc
+
+    if isinstance(self, EngineCoreProc):
+        check_ready_response(self)
+
+
+class StandInOutOfDate(AssertionError):
+    """The installed vLLM's start-up reads something the stand-in engine does not have."""
+
+
+def check_ready_response(engine: Any) -> None:
+    """Build the installed vLLM's own READY response from the stand-in engine, as its input thread will.
+
+    EngineCoreProc's input thread sends it first, and a thread that dies of
+    an AttributeError only leaves "Input socket thread died during startup"
+    behind. Built here, in the engine's start-up, a release that reads more
+    of the engine stops every serve at one place, with what it read.
+    """
+    import msgspec
+    from vllm import __version__
+    from vllm.v1.engine.core import EngineCoreProc
+
+    make = getattr(EngineCoreProc, "_make_ready_response", None)
+    if make is None:
+        return
+    try:
+        msgspec.msgpack.encode(make(engine))
+    except Exception as e:
+        raise StandInOutOfDate(
+            f"vLLM {__version__}'s EngineCoreProc._make_ready_response fails on the stand-in engine "
+            f"({type(e).__name__}: {e}): give tests/vllm/fakes.py's engine_core_init what it reads") from e
 
 
 def _slow_teardown() -> None:

@@ -5,12 +5,14 @@ real `CoreEngineProcManager.__init__` forks. Like EngineCore with kvcached, it
 creates the deployment's segment (holding its lease), forks TP × PP workers
 that serve `[pp<k>/]w<r>.sock` through kvcached's WorkerListener, and answers
 vLLM's real start-up handshake (HELLO, then READY) on the handshake address
-the manager gave it. Like upstream workers under vLLM 0.33, the workers do
-not get to clean up: they die by signal and leave their nodes.
+the manager gave it, through the installed vLLM's own engine-side handshake.
+Like upstream workers under vLLM (0.33, 0.34), the workers do not get to
+clean up: they die by signal and leave their nodes.
 
 What each test wants differently comes through `SPEC`, a module global set
 before the manager forks (a forked child sees the parent's globals).
-No vLLM import here: children stay cheap.
+No vLLM import at module level: children stay cheap (the handshake imports
+the engine module, already loaded in the test process they fork from).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import socket
 import string
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from kvcached.node.base.layout import Layout
@@ -160,21 +163,20 @@ def engine_main(*_args: Any, **kwargs: Any) -> None:
 
 
 def _handshake(address: str, index: int) -> None:
-    # vLLM's engine side of wait_for_engine_startup: HELLO, receive the init
-    # message, then READY, on a DEALER whose identity is the engine index.
-    import msgspec
+    # The engine side of wait_for_engine_startup, as the installed vLLM does it: its own
+    # EngineCoreProc._perform_handshake (HELLO, the init message, then READY as this release
+    # builds it), with a config that says what a DP = 1 engine's would. A release that changes
+    # the handshake changes it here too; what it reads that the config lacks fails here, by name.
     import zmq
+    from vllm.config import ParallelConfig
+    from vllm.v1.engine.core import EngineCoreProc
 
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, index.to_bytes(2, "little"))
-    sock.connect(address)
-    hello = {"status": "HELLO", "local": True, "headless": False}
-    sock.send(msgspec.msgpack.encode(hello))
-    sock.recv()
-    sock.send(msgspec.msgpack.encode({**hello, "status": "READY"}))
-    time.sleep(0.1)  # let the frame leave before the socket closes
-    sock.close(linger=1000)
+    config = SimpleNamespace(parallel_config=ParallelConfig())
+    # `self` is only asked for startup_handshake, a staticmethod: the class answers it.
+    with EngineCoreProc._perform_handshake(EngineCoreProc, ctx, address, index.to_bytes(2, "little"),
+                                           True, False, config):
+        pass  # where a real engine builds itself: ours is up already
     ctx.term()
 
 

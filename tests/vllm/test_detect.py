@@ -240,17 +240,50 @@ def test_an_allow_list_without_kvcached_names_the_fix() -> None:
 
 
 def test_a_document_without_the_later_fields_still_reads(layout, tmp_path) -> None:
-    """label, plugin.fix and hazards came later: an older kvcached's document is valid, and doctor still judges it."""
+    """label, plugin.fix, hazards and proven came later: an older kvcached's document is valid, and doctor judges it."""
     doc = full()
     eng = doc["engines"]["vllm"]
-    del eng["label"], eng["hazards"], eng["plugin"]["fix"]
+    del eng["label"], eng["hazards"], eng["plugin"]["fix"], eng["proven"]
     jsonschema.validate(doc, schema())
     read = parse(doc).engines["vllm"]
-    assert (read.label, read.hazards, read.plugin.fix) == (None, (), None)
+    assert (read.label, read.hazards, read.plugin.fix, read.proven) == (None, (), None, ())
     lines = {r.name: r for r in doctor(layout, printing(tmp_path, json.dumps(doc)))}
     assert lines["vllm"].status is Status.WARN and lines["vllm"].summary.startswith("vllm 0.33.0 installed")
     assert lines["vllm"].fix  # a generic one: the document does not say how this engine is switched on
-    assert "vllm-ray" not in lines
+    assert "vllm-ray" not in lines and "vllm-proven" not in lines
+
+
+def test_a_version_outside_the_proven_range_is_unproven_whatever_the_shapes_say() -> None:
+    """Every patch ready and active: still, a version kvcached was not proven on is named as such, with a fix."""
+    ready = tuple(PatchReport(name=n, status=PatchStatus.READY, reason="shape found")
+                  for n in ("owner_cleanup", "elastic_kv"))
+    on = dict(plugin=plugin({"ENABLE_KVCACHED": "true"}), patches=ready, proven=("0.33.0", "0.34.0"))
+    lines = {r.name: r for r in engine_results("vllm", section(version="0.34.0", **on))}
+    assert lines["vllm-proven"].status is Status.OK and lines["vllm-proven"].under == "vllm"
+    assert lines["vllm-proven"].summary == "vLLM 0.34.0 is proven: this kvcached was proven on vLLM 0.33.0, 0.34.0"
+    lines = {r.name: r for r in engine_results("vllm", section(version="0.35.0", **on))}
+    assert all(lines[f"vllm-patch:{p.name}"].status is Status.OK for p in ready)
+    assert lines["vllm-proven"].status is Status.WARN
+    assert lines["vllm-proven"].summary.startswith("vLLM 0.35.0 is unproven: this kvcached was proven on vLLM "
+                                                   "0.33.0, 0.34.0 only")
+    assert lines["vllm-proven"].fix == "install one of vLLM 0.33.0, 0.34.0, or a kvcached proven on vLLM 0.35.0"
+    unread = {r.name: r for r in engine_results("vllm", section(version=None, **on))}
+    assert unread["vllm-proven"].status is Status.WARN  # a version that cannot be read is not a proven one
+
+
+def test_the_proven_range_is_what_the_install_script_installs_and_what_is_installed() -> None:
+    """One list: the integration's PROVEN_VERSIONS, install-vllm.sh's VERSIONS; the installed vLLM is in it."""
+    import vllm
+
+    from kvcached.integration.vllm.common import PROVEN_VERSIONS
+    from kvcached.integration.vllm.detect import section as vllm_section
+
+    from ..sglang.cpu_env import VLLM_SCRIPT, shell_array
+
+    assert tuple(shell_array(VLLM_SCRIPT, "VERSIONS")) == PROVEN_VERSIONS
+    assert vllm.__version__ in PROVEN_VERSIONS
+    eng = vllm_section()
+    assert eng.proven == PROVEN_VERSIONS and not eng.unproven
 
 
 def _fixes(lines: list[Any], text: str) -> list[str]:

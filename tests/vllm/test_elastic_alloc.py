@@ -24,7 +24,6 @@ pytest.importorskip("kvcached.runtime._kvpages", reason="kvcached.runtime._kvpag
 pytestmark = [pytest.mark.vllm, pytest.mark.ext]
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvcached.integration.vllm import elastic as vllm_elastic  # noqa: E402
@@ -289,8 +288,7 @@ def test_batches_in_flight_keep_their_pages_mapped(serve, monkeypatch) -> None:
                 for rid in ids:
                     made[rid] = made.get(rid, 0) + 1
                     tokens.append([es.EOS if made[rid] >= ends[rid] else 7])
-                mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                        sampled_token_ids=tokens)
+                mro = es.model_runner_output(ids, tokens)
                 s.sched.update_from_output(out, mro)
                 check("after an output")
             if not inflight and not s.sched.has_requests():
@@ -460,3 +458,53 @@ def test_step_hooks_bound_on_the_scheduler_run_every_step_and_follow_the_patch(s
     calls.clear()
     s.driver.run()
     assert calls == [] and s.driver.finished
+
+
+@es.both
+def test_a_deferred_free_across_pools_never_frees_a_page_another_pool_uses(serve, elastic, monkeypatch) -> None:
+    """vLLM's deferred frees carry blocks of several pools (`KVCacheBlock.pool`, a weak reference in 0.34).
+
+    BlockPool.free_blocks hands each block to its own pool. A second pool (a
+    connector's, HiSparse's host pool) numbers its blocks from 0 too, so its
+    blocks share ids with ours: freed through our pool, they must go home and
+    leave our pages alone; ours, freed through the other pool, must come to
+    us (through our override, with 0.34's `evict_first` passed along) and
+    release the pages they empty.
+    """
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvcached.integration.patchkit import params
+
+    monkeypatch.setenv("KVCACHED_ELASTIC_RESERVE_PAGES", "0")  # a page emptied is a page released
+    s = serve()
+    other = BlockPool(NUM_BLOCKS, enable_caching=False, hash_block_size=es.BLOCK_SIZE)
+    extra = {"evict_first": True} if "evict_first" in params(BlockPool.free_blocks) else {}
+
+    def pages(blocks) -> set[int]:
+        return {b.block_id // BPP for b in blocks}
+
+    def mapped() -> set[int]:
+        return set(s.buf.mapped_groups()) if s.buf else set(range(NUM_BLOCKS // BPP))
+
+    def end_step() -> None:
+        if elastic:  # vLLM's own pool has no steps: it never releases anything
+            s.pool.end_step(idle=True)
+
+    def check() -> None:
+        ours = s.pool.get_new_blocks(3 * BPP)
+        theirs = other.get_new_blocks(4 * BPP)
+        first, rest = ours[:BPP], ours[BPP:]
+        assert pages(theirs) >= pages(ours), "the other pool's blocks must share our blocks' ids"
+        s.pool.free_blocks(theirs + first)  # a deferred free: the other pool's blocks and one page of ours
+        end_step()
+        assert other.get_num_free_blocks() == NUM_BLOCKS - 1, "the other pool's blocks did not go home"
+        assert pages(rest) <= mapped(), f"pages {pages(rest) - mapped()} were released while our blocks use them"
+        assert not pages(first) & mapped(), "the page our deferred free emptied stayed mapped"
+        theirs = other.get_new_blocks(BPP)
+        other.free_blocks(rest + theirs, **extra)  # ours, freed through the other pool
+        end_step()
+        assert other.get_num_free_blocks() == NUM_BLOCKS - 1
+        assert mapped() <= {0}, f"pages {mapped() - {0}} stayed mapped after their blocks came back through " \
+                                "the other pool"
+
+    es.check_or_fail(elastic, check)

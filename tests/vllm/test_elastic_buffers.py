@@ -213,20 +213,32 @@ def test_page_size_env(monkeypatch, caplog) -> None:
 
 
 def test_model_runners_that_imported_the_allocation_first_get_it_too(monkeypatch) -> None:
-    """vLLM's model runner binds allocate_kv_cache at import: patching the utils module alone would miss it."""
-    from vllm.v1.worker import gpu_model_runner, utils
+    """vLLM's model runners bind allocate_kv_cache at import: patching the utils module alone would miss them.
+
+    Which modules bind it moved between releases (0.33's gpu_model_runner is
+    gone in 0.34, which has cpu/attn_utils): every one of the patch's list
+    that this vLLM has, and at least one.
+    """
+    import importlib
+    import importlib.util
+
+    from vllm.v1.worker import utils
 
     from kvcached.integration.patchkit import PatchStatus, key_of
+    from kvcached.integration.vllm.elastic import ALLOCATE_USERS
     from kvcached.integration.vllm.patches import REGISTRY
 
+    users = [importlib.import_module(m) for m in ALLOCATE_USERS if importlib.util.find_spec(m) is not None]
+    assert users, f"none of {ALLOCATE_USERS} is in this vLLM: its model runners bind allocate_kv_cache elsewhere"
     monkeypatch.setenv("KVCACHED_ELASTIC", "1")
     REGISTRY.revert()
     original = utils.allocate_kv_cache
-    assert gpu_model_runner.allocate_kv_cache is original  # imported before the patch, as in a worker
+    assert all(m.allocate_kv_cache is original for m in users)  # imported before the patch, as in a worker
     try:
         assert REGISTRY.apply(("elastic-kv",))["elastic-kv"] is PatchStatus.APPLIED
-        assert key_of(gpu_model_runner.allocate_kv_cache) == key_of(utils.allocate_kv_cache) == "elastic-kv"
-        assert gpu_model_runner.allocate_kv_cache.__wrapped__ is original
+        for m in users:
+            assert key_of(m.allocate_kv_cache) == key_of(utils.allocate_kv_cache) == "elastic-kv", m.__name__
+            assert m.allocate_kv_cache.__wrapped__ is original
     finally:
         REGISTRY.revert()
-    assert gpu_model_runner.allocate_kv_cache is original and utils.allocate_kv_cache is original
+    assert all(m.allocate_kv_cache is original for m in users) and utils.allocate_kv_cache is original

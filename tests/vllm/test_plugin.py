@@ -238,11 +238,37 @@ def test_unknown_shape_disables_only_that_patch_and_what_requires_it(clean_patch
 
 
 @needs_vllm
+def test_elastic_kv_stands_aside_naming_exactly_what_differs(clean_patches, monkeypatch) -> None:
+    """A changed target: the reason names that attribute or signature, and nothing that is still as expected."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    monkeypatch.setenv("KVCACHED_ELASTIC", "1")
+    assert {p.name: p for p in clean_patches.report()}["elastic-kv"].status is PatchStatus.READY
+
+    fields = KVCacheBlock.__dataclass_fields__
+    monkeypatch.setattr(KVCacheBlock, "__dataclass_fields__", {k: v for k, v in fields.items() if k != "is_null"})
+    reason = {p.name: p for p in clean_patches.report()}["elastic-kv"].reason
+    assert reason == "KVCacheBlock has no field is_null"
+    monkeypatch.setattr(KVCacheBlock, "__dataclass_fields__", fields)
+
+    def free_blocks(self, blocks, evict_first=False):  # a future vLLM's rename
+        return None
+
+    monkeypatch.setattr(BlockPool, "free_blocks", free_blocks)
+    elastic = {p.name: p for p in clean_patches.report()}["elastic-kv"]
+    assert elastic.status is PatchStatus.UNKNOWN_SHAPE
+    assert elastic.reason.startswith("BlockPool.free_blocks(self, blocks, evict_first) has none of the known shapes")
+    assert "vLLM 0.34's (self, ordered_blocks, evict_first): parameter 2 is blocks, not ordered_blocks" \
+        in elastic.reason
+
+
+@needs_vllm
 def test_detect_reports_conditions_and_patches(clean_patches, monkeypatch) -> None:
     from kvcached.integration.vllm.detect import section
 
     eng = section()
-    assert eng.version == "0.33.0" and eng.error is None
+    assert eng.version == metadata.version("vllm") and eng.error is None
     assert {c.name: c.present for c in eng.conditions} == {
         "shutdown-timeout-zero": True, "sigterm-reset-before-teardown": True, "lmcache-no-shutdown-forwarding": True}
     lifecycle = {p.name: p for p in eng.patches if p.name != "elastic-kv"}

@@ -341,3 +341,20 @@ def test_a_starting_vllm_serve_sweeps_what_dead_serves_left(layout, uniq, start_
     code, view = kvctl(layout, "inspect", "--json")
     assert code == 0 and {d["name"]: d["state"] for d in view["deployments"]} == {uniq: "live", live.name: "live"}
     stop_like_vllm_serve(s)
+
+
+def test_a_release_whose_start_up_reads_more_stops_the_stand_in_at_one_place() -> None:
+    """The stand-in engine builds the installed vLLM's own READY response at its start (fakes.check_ready_response).
+
+    What that response reads and the stand-in lacks is named, in one error,
+    before vLLM's input thread would die of it and leave only "Input socket
+    thread died during startup" in every serve's log. Every serve above
+    passing is the other half: this vLLM's response builds from the stand-in.
+    """
+    from types import SimpleNamespace
+
+    from .fakes import StandInOutOfDate, check_ready_response
+
+    with pytest.raises(StandInOutOfDate, match=r"vLLM \S+'s EngineCoreProc\._make_ready_response fails on the "
+                                               r"stand-in engine \(AttributeError: .*vllm_config.*engine_core_init"):
+        check_ready_response(SimpleNamespace())

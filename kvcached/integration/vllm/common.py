@@ -20,6 +20,9 @@ from ..patchkit import params as params
 from ..patchkit import source as source
 
 PLUGIN_NAME = "kvcached"  # the entry point's name in group vllm.general_plugins
+# The vLLM releases this kvcached was proven on: tests/vllm passes on each (.ci/run runs it on both venvs;
+# docs/VLLM.md, "Versions"). scripts/install-vllm.sh's VERSIONS is the same list (tests/vllm/test_detect.py).
+PROVEN_VERSIONS = ("0.33.0", "0.34.0")
 
 M_UTILS = "vllm.v1.engine.utils"
 M_CORE = "vllm.v1.engine.core"

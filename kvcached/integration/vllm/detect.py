@@ -17,7 +17,7 @@ from ... import settings
 from ...node import Condition, EngineSection, Hazard, Plugin, ProcessMatch
 from .. import enabled
 from ..patchkit import is_ours
-from .common import M_ARGS, M_CORE, M_LMCACHE, PLUGIN_NAME, module, plugin_allowed, source
+from .common import M_ARGS, M_CORE, M_LMCACHE, PLUGIN_NAME, PROVEN_VERSIONS, module, plugin_allowed, source
 
 
 def _shutdown_timeout() -> Condition:
@@ -123,7 +123,7 @@ def section() -> EngineSection:
     ray = _ray_installed()
     # The hazard stands even where vLLM does not import: a Ray-backed serve may run here from another install.
     base = EngineSection(version=None, error=None, plugin=plugin(), facts={RAY_INSTALLED: ray}, label=LABEL,
-                         hazards=(ray_hazard(ray),))
+                         hazards=(ray_hazard(ray),), proven=PROVEN_VERSIONS)
     try:
         version = getattr(module("vllm"), "__version__", None)
     except Exception as e:

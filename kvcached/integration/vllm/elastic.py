@@ -1,4 +1,4 @@
-"""The `elastic-kv` patch: elastic KV memory inside vLLM 0.33 (on with ``KVCACHED_ELASTIC=1``).
+"""The `elastic-kv` patch: elastic KV memory inside vLLM 0.33 and 0.34 (on with ``KVCACHED_ELASTIC=1``).
 
 Off, nothing here is applied and vLLM allocates its KV cache as it always
 does. On, four points change, each found by its shape (docs/VLLM.md):
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import settings
-from ..patchkit import Changes, Patch, original, require
+from ..patchkit import Changes, Patch, original, require, require_fields, which_field, which_params
 from .common import (
     M_ABSTRACT,
     M_BLOCK_POOL,
@@ -62,8 +62,8 @@ from .elastic_buffers import MARK, allocate_kv_cache, refusals
 log = logging.getLogger(__name__)
 
 # Modules that bind allocate_kv_cache by name at import (patched when already imported; those imported later
-# bind the patched name).
-ALLOCATE_USERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils")
+# bind the patched name). 0.33's model runner was gpu_model_runner; 0.34 has only the gpu/ and cpu/ runners.
+ALLOCATE_USERS = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils", "vllm.v1.worker.cpu.attn_utils")
 
 
 def switch() -> str | None:
@@ -200,8 +200,20 @@ def elastic_pool(scheduler: Any) -> Any:
 # -- the patch: probe, install ---------------------------------------------------------
 
 
+# The shapes each target has had, by the vLLM release that has it (docs/VLLM.md, "Versions"). The probe takes
+# whichever the installed code has, by what it really has, never by its version string; a shape none of them
+# matches stands aside naming what differs.
+FREE_BLOCKS = {"vLLM 0.33": ["self", "ordered_blocks"],
+               "vLLM 0.34": ["self", "ordered_blocks", "evict_first"]}
+ALLOCATE_KV_CACHE = {"vLLM 0.33": ["kv_cache_config", "device", "layout", "kernel_block_sizes"],
+                     "vLLM 0.34": ["kv_cache_config", "device", "layout", "kernel_block_sizes", "allocate"]}
+# How a block tells that it is prefix-cached: a field (0.33: _block_hash under a property block_hash).
+BLOCK_HASH_FIELD = {"vLLM 0.33": "_block_hash", "vLLM 0.34": "block_hash"}
+BLOCK_FIELDS = ("block_id", "ref_cnt", "prev_free_block", "next_free_block", "is_null")
+
+
 def probe() -> dict[str, Any]:
-    """The modules the patch changes, when the installed vLLM is the shape we know; raises ShapeError otherwise."""
+    """The modules the patch changes, when the installed vLLM is a shape we know; raises ShapeError otherwise."""
     mods = {m: importlib.import_module(m) for m in (M_BLOCK_POOL, M_COORDINATOR, M_KV_MANAGER, M_SCHEDULER,
                                                    M_ABSTRACT, M_WORKER_UTILS, M_INTERFACE)}
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
@@ -210,34 +222,32 @@ def probe() -> dict[str, Any]:
     for name in ("get_num_free_blocks", "get_new_blocks", "free_blocks", "evict_blocks", "reset_prefix_cache",
                  "_maybe_evict_cached_block", "_notify_reuse", "get_usage"):
         require(callable(getattr(bp, name, None)), f"BlockPool.{name} is missing")
+    which_params(bp.free_blocks, "BlockPool.free_blocks", FREE_BLOCKS)
     init_src = inspect.getsource(bp.__init__)
-    require("self._reuse_watchers" in init_src and "FreeKVCacheBlockQueue(" in init_src,
-             "BlockPool.__init__ no longer builds a FreeKVCacheBlockQueue and _reuse_watchers")
+    for needle in ("self._reuse_watchers", "FreeKVCacheBlockQueue("):
+        require(needle in init_src, f"BlockPool.__init__ no longer has {needle}")
     for name in ("popleft", "popleft_n", "remove", "append", "append_n", "prepend_n"):
         require(callable(getattr(FreeKVCacheBlockQueue, name, None)), f"FreeKVCacheBlockQueue.{name} is missing")
-    fields = getattr(KVCacheBlock, "__dataclass_fields__", {})
-    require({"block_id", "ref_cnt", "_block_hash", "prev_free_block", "is_null"} <= set(fields),
-             "KVCacheBlock no longer has block_id, ref_cnt, _block_hash, prev_free_block, is_null")
+    require_fields(KVCacheBlock, "KVCacheBlock", BLOCK_FIELDS)
+    which_field(KVCacheBlock, "KVCacheBlock", BLOCK_HASH_FIELD)
     require(original(getattr(mods[M_COORDINATOR], "BlockPool", None)) is bp,
              "kv_cache_coordinator no longer builds its pool through the name BlockPool")
     manager = mods[M_KV_MANAGER].KVCacheManager
     require("get_kv_cache_coordinator(" in inspect.getsource(original(manager.__init__)),
-             "KVCacheManager.__init__ no longer builds its coordinator")
+             "KVCacheManager.__init__ no longer calls get_kv_cache_coordinator(")
     sched = mods[M_SCHEDULER].Scheduler
-    require(params(sched.update_from_output)[:3] == ["self", "scheduler_output", "model_runner_output"],
-             "Scheduler.update_from_output(scheduler_output, model_runner_output) changed")
+    which_params(sched.update_from_output, "Scheduler.update_from_output",
+                 {"vLLM 0.33": ["self", "scheduler_output", "model_runner_output"]}, prefix=True)
     for name in ("schedule", "finish_requests", "has_requests"):
         require(callable(getattr(sched, name, None)), f"Scheduler.{name} is missing")
-    require(params(mods[M_ABSTRACT].Executor.initialize_from_config) == ["self", "kv_cache_configs"],
-             "Executor.initialize_from_config(kv_cache_configs) changed")
-    require(params(mods[M_WORKER_UTILS].allocate_kv_cache) == ["kv_cache_config", "device", "layout",
-                                                               "kernel_block_sizes"],
-             "vllm.v1.worker.utils.allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes) changed")
+    which_params(mods[M_ABSTRACT].Executor.initialize_from_config, "Executor.initialize_from_config",
+                 {"vLLM 0.33": ["self", "kv_cache_configs"]})
+    which_params(mods[M_WORKER_UTILS].allocate_kv_cache, "vllm.v1.worker.utils.allocate_kv_cache", ALLOCATE_KV_CACHE)
     iface = mods[M_INTERFACE]
-    require(params(iface.create_kv_cache_views)[:5] == ["raw", "spec", "num_blocks", "layout", "kv_cache_tensor"],
-             "create_kv_cache_views(raw, spec, num_blocks, layout, kv_cache_tensor, ...) changed")
+    which_params(iface.create_kv_cache_views, "create_kv_cache_views",
+                 {"vLLM 0.33": ["raw", "spec", "num_blocks", "layout", "kv_cache_tensor"]}, prefix=True)
     require("fixed_strides" in params(iface.compute_layout_strides),
-             "compute_layout_strides(..., fixed_strides) changed")
+             "compute_layout_strides has no parameter fixed_strides")
     return mods
 
 

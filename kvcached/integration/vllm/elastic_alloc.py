@@ -54,12 +54,15 @@ import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvcached.integration.engine_elastic import segment_limit, take_over_usage
+from kvcached.integration.patchkit import which_field
+from kvcached.integration.vllm import elastic as elastic_shapes
 from kvcached.node import KvcachedError
 from kvcached.runtime.elastic import MAPPED, ElasticPages, PageLink, due_for_release, review_interval
 from kvcached.runtime.kvbuffer import LinkSetup
@@ -69,6 +72,10 @@ log = logging.getLogger(__name__)
 # vLLM's own, for the overrides that add a check around them (called once or a few times per step).
 _vllm_get_new_blocks = BlockPool.get_new_blocks
 _vllm_free_blocks = BlockPool.free_blocks
+# A block's own hash field, read for every block of a page under review: the field itself, not 0.33's
+# property over it (the probe checked that one of them is there).
+_hash_of = attrgetter(elastic_shapes.BLOCK_HASH_FIELD[which_field(KVCacheBlock, "KVCacheBlock",
+                                                                  elastic_shapes.BLOCK_HASH_FIELD)])
 
 
 class InFlight:
@@ -225,10 +232,17 @@ class ElasticBlockPool(BlockPool):
         # (bench_elastic.py).
         return _vllm_get_new_blocks(self, num_blocks)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """vLLM's free; over the limit, the pages it empties are released at once."""
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], *args: Any, **kwargs: Any) -> None:
+        """vLLM's free; over the limit, the pages it empties are released at once.
+
+        `ordered_blocks` may hold other pools' blocks (a deferred free): vLLM
+        hands those to their own pool (`KVCacheBlock.pool`), which may be this
+        one, with 0.34's `evict_first` passed along. This pool's pages are
+        judged by its own blocks only (`_page_state`), so another pool's block
+        with the same id never makes one of our pages look free.
+        """
         # Nothing per block (bench_elastic.py): pages are reviewed by _trim, a few times a second.
-        _vllm_free_blocks(self, ordered_blocks)
+        _vllm_free_blocks(self, ordered_blocks, *args, **kwargs)
         if self._over:
             self._trim()
 
@@ -267,7 +281,7 @@ class ElasticBlockPool(BlockPool):
             b = blocks[i]
             if b.prev_free_block is None:  # not in the queue: allocated (or the null block)
                 return 0
-            if b._block_hash is not None or (watchers and i in watchers):
+            if _hash_of(b) is not None or (watchers and i in watchers):
                 cached = True
         return 2 if cached else 1
 

@@ -1,4 +1,4 @@
-"""The `elastic-kv` patch's worker side: vLLM 0.33's KV cache laid over an elastic buffer, and where its blocks lie.
+"""The `elastic-kv` patch's worker side: vLLM's KV cache laid over an elastic buffer, and where its blocks lie.
 
 vLLM lays its KV cache out in one backing buffer per worker
 (`v1/worker/utils.py:allocate_kv_cache`, `v1/kv_cache_interface.py`): every
@@ -134,11 +134,17 @@ refusals: list[str] = []  # why this process's worker fell back to vLLM's alloca
 
 
 def allocate_kv_cache(plain: Any, kv_cache_config: Any, device: Any, layout: Any,
-                      kernel_block_sizes: list[int] | None = None) -> dict[str, Any]:
-    """vLLM's allocate_kv_cache (`plain`), over an elastic buffer when the engine asked for one."""
+                      kernel_block_sizes: list[int] | None = None, **more: Any) -> dict[str, Any]:
+    """vLLM's allocate_kv_cache (`plain`), over an elastic buffer when the engine asked for one.
+
+    `more`: what later releases add (0.34's `allocate`, the backing allocator
+    of its extensible KV cache), passed to `plain` as given.
+    """
     if not getattr(kv_cache_config, MARK, False):
-        return plain(kv_cache_config, device, layout, kernel_block_sizes)
+        return plain(kv_cache_config, device, layout, kernel_block_sizes, **more)
     why = unsupported(kv_cache_config)
+    if why is None and more.get("allocate") is not None:
+        why = "vLLM's extensible KV cache allocates this buffer itself (allocate=)"
     if why is None and str(device).split(":")[0] not in ("cpu", "cuda"):
         why = f"device {device} has no page backend"
     if why is None:
@@ -148,7 +154,7 @@ def allocate_kv_cache(plain: Any, kv_cache_config: Any, device: Any, layout: Any
             log.exception("kvcached: elastic KV buffer failed")
             why = f"{type(e).__name__}: {e}"
     _refuse(why)
-    return plain(kv_cache_config, device, layout, kernel_block_sizes)
+    return plain(kv_cache_config, device, layout, kernel_block_sizes, **more)
 
 
 def _allocate_elastic(cfg: Any, device: Any, layout: Any, kernel_block_sizes: list[int] | None) -> dict[str, Any]:

@@ -160,6 +160,13 @@ class EngineSection:
     facts: Mapping[str, bool | str | None] = field(default_factory=dict)  # e.g. vllm: ray_installed
     label: str | None = None  # the engine's name for people ("vLLM"); None: its key
     hazards: tuple[Hazard, ...] = ()
+    # The engine versions this kvcached was proven on (its integration tests ran there); () when not said.
+    proven: tuple[str, ...] = ()
+
+    @property
+    def unproven(self) -> bool:
+        """The installed version is outside `proven` (whatever the shape checks say); False when not said."""
+        return bool(self.proven) and self.version not in self.proven
 
     def patch_active(self, patch: PatchReport) -> bool:
         """The patch works in engine processes: applied here, or ready where the plugin loads."""
@@ -170,7 +177,7 @@ class EngineSection:
         return {"version": self.version, "error": self.error, "plugin": self.plugin.to_dict(),
                 "patches": [p.to_dict() for p in self.patches],
                 "conditions": [c.to_dict() for c in self.conditions], "facts": dict(self.facts),
-                "label": self.label, "hazards": [h.to_dict() for h in self.hazards]}
+                "label": self.label, "hazards": [h.to_dict() for h in self.hazards], "proven": list(self.proven)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,7 +205,7 @@ def parse(data: object) -> DetectDocument:
 
 def _engine(data: object, where: str) -> EngineSection:
     d = _object(data, where, required=("version", "error", "plugin", "patches", "conditions", "facts"),
-                optional=("label", "hazards"))
+                optional=("label", "hazards", "proven"))
     p = _object(d["plugin"], f"{where}.plugin", required=("enabled", "allowed", "allow_list_var", "allow_list"),
                 optional=("fix",))
     plugin = Plugin(enabled=_bool(p["enabled"], f"{where}.plugin.enabled"),
@@ -222,6 +229,8 @@ def _engine(data: object, where: str) -> EngineSection:
         label=_str_or_none(d.get("label"), f"{where}.label"),
         hazards=tuple(_hazard(v, f"{where}.hazards[{i}]")
                       for i, v in enumerate(_list(d.get("hazards", []), f"{where}.hazards"))),
+        proven=tuple(_str(v, f"{where}.proven[{i}]") for i, v in enumerate(_list(d.get("proven", []),
+                                                                                f"{where}.proven"))),
     )
 
 

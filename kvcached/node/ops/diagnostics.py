@@ -652,7 +652,7 @@ def engine_results(name: str, section: EngineSection, processes: Iterable[_Proce
     if section.error:
         return [CheckResult(name, Group.ENGINE, Status.WARN,
                             f"could not inspect the installed {label}: {section.error}"), *hazards]
-    out = _plugin_lines(name, label, section)
+    out = _plugin_lines(name, label, section) + _proven_lines(name, label, section)
     out += [_patch_line(name, label, section, patch, kvctl) for patch in section.patches]
     return out + _condition_lines(name, label, section, kvctl) + hazards
 
@@ -671,6 +671,22 @@ def _plugin_lines(name: str, label: str, section: EngineSection) -> list[CheckRe
                                f"{plugin.allow_list_var}={plugin.allow_list!r} does not list kvcached: "
                                f"{label} never loads kvcached's plugin, so its patches are inactive", fix, under=name))
     return out
+
+
+def _proven_lines(name: str, label: str, section: EngineSection) -> list[CheckResult]:
+    """`<name>-proven`: whether the installed version is one this kvcached was proven on (none: not said)."""
+    if not section.proven:
+        return []
+    proven = ", ".join(section.proven)
+    version = section.version or "?"
+    if not section.unproven:
+        return [CheckResult(f"{name}-proven", Group.ENGINE, Status.OK,
+                            f"{label} {version} is proven: this kvcached was proven on {label} {proven}",
+                            under=name)]
+    return [CheckResult(f"{name}-proven", Group.ENGINE, Status.WARN,
+                        f"{label} {version} is unproven: this kvcached was proven on {label} {proven} only; "
+                        "the patches' shape checks below are all that is known here",
+                        f"install one of {label} {proven}, or a kvcached proven on {label} {version}", under=name)]
 
 
 def _patch_line(name: str, label: str, section: EngineSection, patch: PatchReport, kvctl: str) -> CheckResult:
