@@ -1,6 +1,7 @@
 """An SGLang serve for the stop-path tests: SGLang's own main-side launch and stop code, model-free schedulers.
 
-Run as `python -m tests.sglang.serve_driver REPORT MODE [--tp N] [--dp N] [--dp-attention] [--detokenizer]`
+Run as `python -m tests.sglang.serve_driver REPORT MODE [--tp N] [--dp N] [--dp-attention] [--detokenizer]
+[--watchdog-interval S]`
 in the environment of tests/sglang/cpu_env.py, with kvcached enabled or not.
 `KVTEST_SGLANG_OFF=patch,...` reverts those kvcached patches in every process
 of the serve once they are applied (the kit's own undo): the cases that show
@@ -10,17 +11,21 @@ Main does what SGLang's main does, with SGLang's own code wherever it runs
 without a model:
 
 - `load_plugins()` first (as `sglang serve`, `python -m sglang.launch_server`
-  and `Engine.__init__` do), `_set_envs_and_config` (spawn, the launch-phase
-  SIGQUIT handler), `publish`, `PortArgs`;
+  and `Engine.__init__` do), SGLang's `configure_logger` (its main logs at
+  `log_level`, INFO here: the drain's "Gracefully exiting" and the owner's
+  removals show in main's log), `_set_envs_and_config` (spawn, the
+  launch-phase SIGQUIT handler), `publish`, `PortArgs`;
 - the real `Engine._launch_scheduler_processes` with `stand_in_scheduler` as
   its `run_scheduler_process_func` (SGLang's override point), then
   `wait_for_ready()`; with `--detokenizer`, the real
   `Engine._launch_detokenizer_subprocesses` and `run_detokenizer_process`;
 - MODE `serve`: what the HTTP server's main has after its first request. A
-  `SubprocessWatchdog` over its children; SGLang's `SignalHandler` on an
+  `SubprocessWatchdog` over its children (polling every `--watchdog-interval`
+  seconds, 0.2 unless told); SGLang's `SignalHandler` on an
   asyncio loop for SIGTERM and SIGQUIT (as `auto_create_handle_loop` installs
   them); the real `TokenizerManager.sigterm_watchdog` coroutine (drain,
-  `ShutdownReq` over SGLang's ZMQ socket, the 15 s wait for schedulers by
+  `ShutdownReq` over a ZMQ socket made as `TokenizerManager.init_ipc_channels`
+  makes it, on a `zmq.asyncio` context, the 15 s wait for schedulers by
   title, `kill_process_tree`, exit); and `launch_server.py`'s
   `finally: kill_process_tree(os.getpid(), include_parent=False)` around the
   loop, where Ctrl-C lands. The TokenizerManager itself needs a tokenizer: a
@@ -160,6 +165,7 @@ class TokenizerSide:
 
     def __init__(self, port_args, watchdog) -> None:  # noqa: ANN001
         import zmq
+        import zmq.asyncio
         from sglang.srt.managers.tokenizer_manager import ServerStatus, TokenizerManager
         from sglang.srt.utils.network import get_zmq_socket
 
@@ -170,7 +176,11 @@ class TokenizerSide:
         self._server_stop_hook = None
         self.asyncio_tasks: set = set()
         self.tokenizer_ipc_name = None
-        self.send_to_scheduler = get_zmq_socket(zmq.Context(1), zmq.PUSH, port_args.scheduler_input_ipc_name, True)
+        # On a zmq.asyncio context, as init_ipc_channels makes it: the drain's synchronous send_pyobj then only
+        # tries, and queues a future when no scheduler is connected. On a plain context that send blocks main's
+        # one thread for good once every scheduler died before the drain sent ShutdownReq (issue 37).
+        self.send_to_scheduler = get_zmq_socket(zmq.asyncio.Context(2), zmq.PUSH, port_args.scheduler_input_ipc_name,
+                                                True)
         self.dispatch = TokenizerManager._dispatch_to_scheduler
         self.watchdog_coro = TokenizerManager.sigterm_watchdog
         self.force_exit_handler = lambda: None
@@ -238,6 +248,7 @@ def _launch(args: argparse.Namespace):  # noqa: ANN202 - SGLang's own types
     from sglang.srt.entrypoints.engine import Engine, _set_envs_and_config
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import PortArgs, ServerArgs
+    from sglang.srt.utils import configure_logger
 
     off = revert_off()  # the engine's patches applied when its module was imported, just now
     # load_balance_method: what "auto" resolves to outside PD disaggregation; resolution stops early for a
@@ -247,6 +258,7 @@ def _launch(args: argparse.Namespace):  # noqa: ANN202 - SGLang's own types
                              enable_dp_attention=args.dp_attention, log_level="info", skip_tokenizer_init=True,
                              load_balance_method="round_robin",
                              **({"port": free_dp_attention_port()} if args.dp_attention else {}))
+    configure_logger(server_args)  # what Engine._launch_subprocesses does first
     server_args.resolve_once()
     _set_envs_and_config(server_args)
     publish(server_args, role="tokenizer")
@@ -274,6 +286,7 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--dp-attention", action="store_true")
     ap.add_argument("--detokenizer", action="store_true")
+    ap.add_argument("--watchdog-interval", type=float, default=0.2)
     args = ap.parse_args()
     root = os.environ["KVCACHED_ROOT"]
 
@@ -310,7 +323,8 @@ def serve(args: argparse.Namespace, children: list, port_args, ready) -> None:  
     from sglang.srt.utils import kill_process_tree
     from sglang.srt.utils.watchdog import SubprocessWatchdog
 
-    watchdog = SubprocessWatchdog(children, [f"child{i}" for i in range(len(children))], interval=0.2)
+    watchdog = SubprocessWatchdog(children, [f"child{i}" for i in range(len(children))],
+                                  interval=args.watchdog_interval)
     watchdog.start()
     tm = TokenizerSide(port_args, watchdog)
     loop = asyncio.new_event_loop()

@@ -50,15 +50,18 @@ class Spec:
     detokenizer: bool = False
     off: tuple[str, ...] = ()
     tag: str = ""  # tells apart two serves of one shape
+    watchdog_s: float | None = None  # main's SubprocessWatchdog interval; None: the driver's 0.2 s
 
     def argv(self, report: str) -> list[str]:
         out = ["serve_driver", report, self.mode, "--tp", str(self.tp), "--dp", str(self.dp)]
+        out += ["--watchdog-interval", str(self.watchdog_s)] if self.watchdog_s is not None else []
         return out + ["--dp-attention"] * self.dp_attention + ["--detokenizer"] * self.detokenizer
 
     @property
     def key(self) -> str:
         parts = [self.mode, f"tp{self.tp}", f"dp{self.dp}", "attn" * self.dp_attention, "detok" * self.detokenizer,
-                 ("off-" + "+".join(self.off)) if self.off else "", self.tag]
+                 ("off-" + "+".join(self.off)) if self.off else "",
+                 f"watchdog{self.watchdog_s:g}s" if self.watchdog_s is not None else "", self.tag]
         return "-".join(p for p in parts if p)
 
 

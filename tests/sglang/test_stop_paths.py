@@ -34,6 +34,11 @@ GROUP = Spec(tp=2, dp=2, dp_attention=True)
 # The owner-off twin runs on one scheduler: SIGTERM kills every scheduler before it could give anything back,
 # whatever the shape, so what the twin shows (SGLang's main alone leaves the segment) needs no second rank.
 GROUP_OFF = Spec(off=OWNER, tag="group")
+# The other branch of the group SIGTERM's race, made certain: main's SubprocessWatchdog polls once an hour, so the
+# drain's 5 s poll always finds the schedulers dead before the watchdog could. One scheduler: ShutdownReq goes to no
+# one whatever the shape.
+DRAIN = Spec(watchdog_s=3600.0, tag="drain")
+DRAIN_OFF = Spec(watchdog_s=3600.0, off=OWNER, tag="drain")
 CRASH = Spec(tp=2)
 CRASH_OFF = Spec(tp=2, off=OWNER)
 OFFLINE = Spec(mode="offline")
@@ -42,8 +47,8 @@ CTRL_C = Spec(tag="ctrl-c")
 CTRL_C_OFF = Spec(tag="ctrl-c", off=CLEANUP)
 DP = Spec(dp=2)
 DP_OFF = Spec(dp=2, off=CLEANUP)
-ORDER = (TERM_MAIN, TERM_MAIN_OFF, GROUP, GROUP_OFF, CRASH, CRASH_OFF, OFFLINE, OFFLINE_OFF, CTRL_C, CTRL_C_OFF,
-         DP, DP_OFF)
+ORDER = (TERM_MAIN, TERM_MAIN_OFF, GROUP, GROUP_OFF, DRAIN, DRAIN_OFF, CRASH, CRASH_OFF, OFFLINE, OFFLINE_OFF, CTRL_C,
+         CTRL_C_OFF, DP, DP_OFF)
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +134,10 @@ def test_sigterm_to_the_process_group_kills_the_schedulers_and_main_cleans_up(se
     main, whose running-phase handler kills the tree and main itself (SIGKILL),
     unless the SIGTERM handler's drain (a 5 s poll) stopped that watchdog first
     (exit 0): both are SGLang's own paths, and both end in kill_process_tree.
-    DP attention, TP 2 × DP 2: main prelaunches both schedulers, one per DP
-    rank, each claiming its rank's segment `<name>_dp<r>` and serving `w0.sock`.
+    Which one a run takes is the race's (the next test takes the drain's for
+    certain). DP attention, TP 2 × DP 2: main prelaunches both schedulers, one
+    per DP rank, each claiming its rank's segment `<name>_dp<r>` and serving
+    `w0.sock`.
     """
     serve = serves.get(spec)
     names = [_name(serve, 0), _name(serve, 1)] if spec.dp > 1 else [_name(serve)]
@@ -138,6 +145,29 @@ def test_sigterm_to_the_process_group_kills_the_schedulers_and_main_cleans_up(se
     sigterm_group(serve)
     assert serve.wait() in (-signal.SIGKILL, 0)
     _ends(serve, cleaned=spec is GROUP)
+
+
+@pytest.mark.parametrize("spec", [DRAIN, DRAIN_OFF], ids=["kvcached", "owner-off"])
+def test_a_group_sigterm_the_drain_sees_first_sends_shutdown_req_to_no_one_and_main_cleans_up(serves, spec) -> None:
+    """`kill -TERM -<pgid>`, the drain first: the schedulers are dead when `sigterm_watchdog` sends ShutdownReq.
+
+    The drain stops main's SubprocessWatchdog before it saw the exits, sends
+    ShutdownReq with no scheduler connected (on SGLang's zmq.asyncio socket the
+    send only queues; on a blocking one it would hold main's one thread for
+    good: issue 37), finds no scheduler by title, and kill_process_tree finds
+    only the schedulers' zombies: the owner removes what they left, and main
+    exits 0.
+    """
+    serve = serves.get(spec)
+    name = _name(serve)
+    _made(serve, [name], {name: ["w0.sock"]})
+    sigterm_group(serve)
+    assert serve.wait() == 0, serve.tail()
+    _ends(serve, cleaned=spec is DRAIN)
+    log = serve.tail()
+    assert "Gracefully exiting" in log and "crashed with exit code" not in log, log
+    if spec is DRAIN:
+        assert f"kvcached owner: removed {serve.root}/dev/shm/{name}" in log, log
 
 
 @pytest.mark.parametrize("spec", [CRASH, CRASH_OFF], ids=["kvcached", "owner-off"])
