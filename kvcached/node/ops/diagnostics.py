@@ -467,36 +467,20 @@ def check_stale(ctx: Context) -> list[CheckResult]:
     out: list[CheckResult] = []
     if stale:
         deps = sorted({e.candidate.deployment or "?" for e in stale})
-        out += _r(
-            "stale",
-            g,
-            Status.WARN,
-            f"{entries(len(stale), 'stale')} of {len(deps)} dead deployment(s): {', '.join(deps)}",
-            f"{ctx.kvctl} gc --yes",
-            paths=[e.path for e in stale],
-        )
+        out += _r("stale", g, Status.WARN,
+                  f"{entries(len(stale), 'stale')} of {len(deps)} dead deployment(s): {', '.join(deps)}",
+                  f"{ctx.kvctl} gc --yes", paths=[e.path for e in stale])
     else:
         out += _r("stale", g, Status.OK, f"no stale entries ({len(found)} found)")
     if unknown:
         reasons = sorted({str(e.decision.reason) for e in unknown})
-        out += _r(
-            "unknown",
-            g,
-            Status.WARN,
-            f"{entries(len(unknown))} of unknown liveness ({', '.join(reasons)}): kept",
-            f"see why, as root for complete evidence: sudo {ctx.kvctl} inspect",
-            paths=[e.path for e in unknown],
-        )
+        out += _r("unknown", g, Status.WARN,
+                  f"{entries(len(unknown))} of unknown liveness ({', '.join(reasons)}): kept",
+                  f"see why, as root for complete evidence: sudo {ctx.kvctl} inspect", paths=[e.path for e in unknown])
     if foreign:
-        out += _r(
-            "foreign",
-            g,
-            Status.WARN,
-            f"{entries(len(foreign))} not ours ({', '.join(sorted({str(e.decision.reason) for e in foreign}))}): "
-            "never touched",
-            f"see why: {ctx.kvctl} inspect",
-            paths=[e.path for e in foreign],
-        )
+        reasons = sorted({str(e.decision.reason) for e in foreign})
+        out += _r("foreign", g, Status.WARN, f"{entries(len(foreign))} not ours ({', '.join(reasons)}): never touched",
+                  f"see why: {ctx.kvctl} inspect", paths=[e.path for e in foreign])
     return out
 
 
