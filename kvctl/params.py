@@ -250,3 +250,42 @@ Interval2 = Annotated[float, typer.Option("-n", "--interval", "-r", "--refresh",
                                           show_default="2", help=_INTERVAL_HELP)]
 Interval1 = Annotated[float, typer.Option("-n", "--interval", "-r", "--refresh", metavar="SEC", parser=parse_interval,
                                           show_default="1", help=_INTERVAL_HELP)]
+
+
+# What only gc's agent loop (--every) and its probe take: gc's options, kept here so that its signature reads.
+HeartbeatOpt = Annotated[
+    Optional[str],
+    typer.Option("--heartbeat", metavar="FILE",
+                 help="With --every: after every run, rewrite FILE (atomically) with when it finished and its "
+                 "exit code, for --check-heartbeat."),
+]
+CheckHeartbeatOpt = Annotated[
+    Optional[str],
+    typer.Option("--check-heartbeat", metavar="FILE",
+                 help="Run no gc: exit 0 when the last run recorded in FILE (by --heartbeat) finished at most "
+                 "--max-age ago, 8 when longer or when FILE holds no heartbeat (a liveness probe)."),
+]
+MaxAgeOpt = Annotated[
+    Optional[float],
+    typer.Option("--max-age", parser=parse_duration, metavar="AGE",
+                 help="With --check-heartbeat: the oldest last run that passes; give more than --every's "
+                 "DURATION x 1.1 plus its --time-limit."),
+]
+MetricsPortOpt = Annotated[
+    Optional[int],
+    typer.Option("--metrics-port", metavar="PORT", min=1, max=65535,
+                 help="With --every: serve the last run's metrics (the --prometheus text) over HTTP at "
+                 "/metrics on PORT, for Prometheus to scrape (default: no endpoint)."),
+]
+NoEventsOpt = Annotated[
+    bool,
+    typer.Option("--no-events", metavar="",
+                 help="With --every -A: only rounds; no judging, between them, of the places whose processes "
+                 "exited or that got new files (the event path, docs/PLACES.md §5)."),
+]
+MetricsAddressOpt = Annotated[
+    str,
+    typer.Option("--metrics-address", metavar="ADDRESS", show_default="127.0.0.1",
+                 help="With --metrics-port: the address to listen on (0.0.0.0: every interface, as a pod "
+                 "needs)."),
+]

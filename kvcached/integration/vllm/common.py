@@ -102,3 +102,15 @@ def engine_name(parallel_config: Any, environ: Mapping[str, str] | None = None) 
     if settings.DP_SERVE.get(environ) or size > 1 or index > 0:
         return dp_rank_name(base, index)
     return base
+
+
+# The shapes elastic KV's targets have had (elastic.py's probe, elastic_alloc.py's block pool), by the vLLM
+# release that has it (docs/VLLM.md, "Versions"). The probe takes whichever the installed code has, by what it
+# really has, never by its version string; a shape none of them matches stands aside naming what differs.
+FREE_BLOCKS = {"vLLM 0.33": ["self", "ordered_blocks"],
+               "vLLM 0.34": ["self", "ordered_blocks", "evict_first"]}
+ALLOCATE_KV_CACHE = {"vLLM 0.33": ["kv_cache_config", "device", "layout", "kernel_block_sizes"],
+                     "vLLM 0.34": ["kv_cache_config", "device", "layout", "kernel_block_sizes", "allocate"]}
+# How a block tells that it is prefix-cached: a field (0.33: _block_hash under a property block_hash).
+BLOCK_HASH_FIELD = {"vLLM 0.33": "_block_hash", "vLLM 0.34": "block_hash"}
+BLOCK_FIELDS = ("block_id", "ref_cnt", "prev_free_block", "next_free_block", "is_null")

@@ -47,6 +47,10 @@ from typing import Any
 from ... import settings
 from ..patchkit import Changes, Patch, original, require, require_fields, which_field, which_params
 from .common import (
+    ALLOCATE_KV_CACHE,
+    BLOCK_FIELDS,
+    BLOCK_HASH_FIELD,
+    FREE_BLOCKS,
     M_ABSTRACT,
     M_BLOCK_POOL,
     M_COORDINATOR,
@@ -200,16 +204,6 @@ def elastic_pool(scheduler: Any) -> Any:
 # -- the patch: probe, install ---------------------------------------------------------
 
 
-# The shapes each target has had, by the vLLM release that has it (docs/VLLM.md, "Versions"). The probe takes
-# whichever the installed code has, by what it really has, never by its version string; a shape none of them
-# matches stands aside naming what differs.
-FREE_BLOCKS = {"vLLM 0.33": ["self", "ordered_blocks"],
-               "vLLM 0.34": ["self", "ordered_blocks", "evict_first"]}
-ALLOCATE_KV_CACHE = {"vLLM 0.33": ["kv_cache_config", "device", "layout", "kernel_block_sizes"],
-                     "vLLM 0.34": ["kv_cache_config", "device", "layout", "kernel_block_sizes", "allocate"]}
-# How a block tells that it is prefix-cached: a field (0.33: _block_hash under a property block_hash).
-BLOCK_HASH_FIELD = {"vLLM 0.33": "_block_hash", "vLLM 0.34": "block_hash"}
-BLOCK_FIELDS = ("block_id", "ref_cnt", "prev_free_block", "next_free_block", "is_null")
 
 
 def probe() -> dict[str, Any]:

@@ -62,7 +62,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
 from kvcached.integration.engine_elastic import segment_limit, take_over_usage
 from kvcached.integration.patchkit import which_field
-from kvcached.integration.vllm import elastic as elastic_shapes
+from kvcached.integration.vllm.common import BLOCK_HASH_FIELD
 from kvcached.node import KvcachedError
 from kvcached.runtime.elastic import MAPPED, ElasticPages, PageLink, due_for_release, review_interval
 from kvcached.runtime.kvbuffer import LinkSetup
@@ -74,8 +74,7 @@ _vllm_get_new_blocks = BlockPool.get_new_blocks
 _vllm_free_blocks = BlockPool.free_blocks
 # A block's own hash field, read for every block of a page under review: the field itself, not 0.33's
 # property over it (the probe checked that one of them is there).
-_hash_of = attrgetter(elastic_shapes.BLOCK_HASH_FIELD[which_field(KVCacheBlock, "KVCacheBlock",
-                                                                  elastic_shapes.BLOCK_HASH_FIELD)])
+_hash_of = attrgetter(BLOCK_HASH_FIELD[which_field(KVCacheBlock, "KVCacheBlock", BLOCK_HASH_FIELD)])
 
 
 class InFlight:
