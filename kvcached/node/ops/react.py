@@ -33,7 +33,7 @@ each): a place's bytes that a reaction reclaimed show in the next round's.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from .events import Changed, Degraded, Key, Watch, key_of
@@ -95,8 +95,8 @@ class Reactor:
                 self._judged[k] = now
                 self._due.pop(k, None)
 
-    def _arm(self, places: Iterable[Place], start_times: dict[int, float] | object) -> None:
-        self.watch.arm(list(places), start_times)  # type: ignore[arg-type]
+    def _arm(self, places: Iterable[Place], start_times: Mapping[int, float]) -> None:
+        self.watch.arm(list(places), start_times)
 
     def note(self, changed: Changed) -> None:
         """When each touched place is due (module docstring)."""
