@@ -85,7 +85,6 @@ class Watch:
         self._fd_pid: dict[int, int] = {}                  # pidfd -> pid
         self._sees: dict[int, set[Key]] = {}                # pid -> the places it sees
         self._viewers: dict[Key, set[int]] = {}             # place -> its watched viewers, the holder left out
-        self._holders: dict[Key, int] = {}
         self._wds: dict[Key, int] = {}
         self._wd_key: dict[int, Key] = {}
         self._pending: set[Key] = set()                    # touched while arming (a viewer gone already)
@@ -143,20 +142,17 @@ class Watch:
                 wanted[k] = pl
         sees: dict[int, set[Key]] = {}
         viewers: dict[Key, set[int]] = {}
-        holders: dict[Key, int] = {}
         for k, pl in wanted.items():
             viewers[k] = {p for p in pl.pids if p != pl.holder}
-            if pl.holder is not None:
-                holders[k] = pl.holder
             for pid in pl.pids:
                 sees.setdefault(pid, set()).add(k)
             if pl.holder is not None:
                 sees.setdefault(pl.holder, set()).add(k)
         for pid in [p for p in self._pids if p not in sees or self._pids[p][1] != start_times.get(p)]:
             self._close_pid(pid)
-        self._sees, self._viewers, self._holders = sees, viewers, holders
+        self._sees, self._viewers = sees, viewers
         if self._pidfd_ok:
-            for pid in sees:
+            for pid in list(sees):  # a viewer already gone leaves `sees` (_gone)
                 if pid not in self._pids and not self._open_pid(pid, start_times.get(pid)):
                     break
         self._arm_inotify(wanted)
@@ -188,11 +184,16 @@ class Watch:
         return True
 
     def _exit_of(self, pid: int) -> None:
-        """A viewer gone: its places are touched, for the next wait to return at once."""
-        for k in self._sees.get(pid, set()):
-            self._pending.add(k)
-            self._viewers.get(k, set()).discard(pid)
+        """A viewer gone before its pidfd opened: its places are touched, for the next wait to return at once."""
+        self._pending |= self._gone(pid)
         self._pending_exits += 1
+
+    def _gone(self, pid: int) -> set[Key]:
+        """A watched process exited: the places it saw, each with one viewer less."""
+        places = self._sees.pop(pid, set())
+        for k in places:
+            self._viewers.get(k, set()).discard(pid)
+        return places
 
     def _close_pid(self, pid: int) -> None:
         fd, _ = self._pids.pop(pid)
@@ -251,11 +252,9 @@ class Watch:
             pid = self._fd_pid.get(fd)
             if pid is None:
                 continue
-            touched |= self._sees.get(pid, set())
             self._close_pid(pid)
+            touched |= self._gone(pid)
             exited += 1
-            for k in self._sees.pop(pid, set()):
-                self._viewers.get(k, set()).discard(pid)
         if self._inotify is not None and self._inotify.fileno() in fds:
             wds, overflow = self._inotify.drain()
             by_file = {self._wd_key[w] for w in wds if w in self._wd_key}
